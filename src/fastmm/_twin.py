@@ -1,0 +1,48 @@
+"""Pure-Python twin of fastmm._C: the same functions with the same errors, for machines
+without a compiler and for FASTMM_PURE_PYTHON=1. Tests run the loader against both."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+
+def create_slab(dir: str, nbytes: int) -> int:
+    """An unnamed shared-memory file in ``dir`` with ``nbytes`` reserved; returns its fd."""
+    if nbytes <= 0:
+        raise ValueError("slab size must be positive")
+    try:
+        fd = os.open(dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        fd = os.memfd_create("fastmm-slab", os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        raise OSError(exc.errno, os.strerror(exc.errno), dir) from None
+    return fd
+
+
+def gather(dst, offset: int, srcs, stride: int) -> None:
+    """Copy ``srcs[i]`` into ``dst`` at ``offset + i*stride``."""
+    if offset < 0 or stride < 0:
+        raise ValueError("offset and stride must be non-negative")
+    out = np.frombuffer(dst, dtype=np.uint8)
+    if out.flags.writeable is False:
+        raise TypeError("dst must be a writable buffer")
+    views = []
+    for i, src in enumerate(srcs):
+        view = np.frombuffer(src, dtype=np.uint8)
+        start = offset + i * stride
+        if view.nbytes > stride or start + view.nbytes > out.nbytes:
+            raise ValueError(
+                f"sample {i} ({view.nbytes} bytes) does not fit its slot ({stride} bytes at "
+                f"offset {start}, buffer of {out.nbytes} bytes)"
+            )
+        views.append((start, view))
+    for start, view in views:
+        out[start : start + view.nbytes] = view

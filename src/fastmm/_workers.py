@@ -1,0 +1,200 @@
+"""Worker processes: the same duties and seeding as torch's workers, slab transport instead of
+a result queue of shared-memory segments.
+
+Messages from the main process (on the worker's index queue):
+  ("task", send_idx, index)        fetch and collate one batch (or one sample)
+  ("slabs", release_ids, destroy_ids)  slabs the main process no longer views
+  ("resume", shared_seed)          a new epoch on persistent workers
+  None                             exit
+Messages to the main process (on the worker's result connection), all tuples:
+  (send_idx, kind, payload, slab_ids_used, new_slabs) with kind one of "data", "error", "end";
+  ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import time
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import IterDataPipe, _DatasetKind
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
+from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data.graph_settings import apply_random_seed
+
+from . import collate
+from .slabs import SlabWriter
+
+PARENT_CHECK_INTERVAL_S = 0.25
+
+
+def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
+    """The NumPy seed torch gives worker ``worker_id``: a SeedSequence-style hash of both."""
+    mask = 0xFFFFFFFF
+    shift = 16
+    mult_a, mult_b = 0x931E8875, 0x58F38DED
+    mix_l, mix_r = 0xCA01F9DD, 0x4973F715
+    const_a = 0x43B0D7E5
+
+    def hash_a(value: int) -> int:
+        nonlocal const_a
+        value = (value ^ const_a) & mask
+        const_a = (const_a * mult_a) & mask
+        value = (value * const_a) & mask
+        return (value ^ (value >> shift)) & mask
+
+    def mix(x: int, y: int) -> int:
+        result = ((mix_l * x) & mask) - ((mix_r * y) & mask)
+        result &= mask
+        return (result ^ (result >> shift)) & mask
+
+    entropy = [worker_id, base_seed & mask, base_seed >> 32, 0]
+    pool = [hash_a(e) for e in entropy]
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hash_a(pool[src]))
+    const_b = 0x8B51F9DD
+    state = []
+    for value in pool:
+        value = (value ^ const_b) & mask
+        const_b = (const_b * mult_b) & mask
+        value = (value * const_b) & mask
+        state.append((value ^ (value >> shift)) & mask)
+    return state
+
+
+def _exit_when_orphaned() -> None:
+    """A daemon thread that ends this worker soon after the main process dies, even while
+    user code is busy: no worker outlives a ``kill -9`` of its parent by more than a moment."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fastmm-orphan-watch", daemon=True).start()
+
+
+def worker_loop(
+    dataset_kind,
+    dataset,
+    index_queue,
+    result_conn,
+    fd_sock,
+    done_event,
+    auto_collation,
+    collate_fn,
+    drop_last,
+    base_seed,
+    init_fn,
+    worker_id,
+    num_workers,
+    shared_seed,
+    transport,
+):
+    try:
+        _exit_when_orphaned()
+        signal_handling._set_worker_signal_handlers()
+        torch.set_num_threads(1)
+        seed = base_seed + worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(numpy_seed(base_seed, worker_id))
+        except ImportError:
+            pass
+
+        shared_rng = torch.Generator()
+        if isinstance(dataset, IterDataPipe):
+            shared_rng.manual_seed(shared_seed)
+            dataset = apply_random_seed(dataset, shared_rng)
+
+        # User code calls torch.utils.data.get_worker_info(): it must see this worker.
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+        )
+        writer = SlabWriter(fd_sock, transport)
+        collate.set_writer(writer)
+        slab_collate = collate.worker_collate_fn(collate_fn)
+
+        init_exception = None
+        fetcher = None
+        try:
+            if init_fn is not None:
+                init_fn(worker_id)
+            fetcher = _DatasetKind.create_fetcher(
+                dataset_kind, dataset, auto_collation, slab_collate, drop_last
+            )
+        except Exception:
+            init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
+
+        iteration_end = False
+        while True:
+            try:
+                message = index_queue.get(timeout=MP_STATUS_CHECK_INTERVAL)
+            except queue.Empty:
+                continue
+            if message is None:
+                break
+            kind = message[0]
+            if kind == "slabs":
+                writer.apply(message[1], message[2])
+                continue
+            if kind == "resume":
+                result_conn.send(("resumed",))
+                iteration_end = False
+                if isinstance(dataset, IterDataPipe):
+                    shared_rng.manual_seed(message[1])
+                    dataset = apply_random_seed(dataset, shared_rng)
+                fetcher = _DatasetKind.create_fetcher(
+                    dataset_kind, dataset, auto_collation, slab_collate, drop_last
+                )
+                continue
+            if done_event.is_set() or iteration_end:
+                continue
+            _, send_idx, index = message
+            writer.begin()
+            if init_exception is not None:
+                result, init_exception = ("error", init_exception), None
+            else:
+                result = _fetch(fetcher, index, dataset_kind, worker_id)
+                if result[0] == "end":
+                    iteration_end = True
+            try:
+                payload = collate.pack(result[1], writer) if result[0] != "end" else b""
+                status = result[0]
+            except Exception:
+                payload = collate.pack(
+                    ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"), writer
+                )
+                status = "error"
+            del result
+            used, new = writer.finish()
+            result_conn.send((send_idx, status, payload, used, new))
+            del payload, message, index
+    except KeyboardInterrupt:
+        pass
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass  # the main process went away; nothing is waiting for this worker's results
+    finally:
+        torch_worker._worker_info = None
+        collate.set_writer(None)
+
+
+def _fetch(fetcher, index, dataset_kind, worker_id):
+    try:
+        return ("data", fetcher.fetch(index))
+    except StopIteration:
+        if dataset_kind == _DatasetKind.Iterable:
+            return ("end", None)
+        return ("error", ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"))
+    except Exception:
+        return ("error", ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"))

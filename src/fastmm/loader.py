@@ -1,0 +1,325 @@
+"""fastmm.DataLoader: torch's DataLoader with a multi-process iterator that moves batches
+through a ring of reused shared-memory slabs.
+
+It subclasses ``torch.utils.data.DataLoader``, so the signature, defaults, argument errors,
+samplers, ``len()`` and the single-process path are torch's own, and ``isinstance(loader,
+torch.utils.data.DataLoader)`` holds for tools that inspect or rebuild loaders. Only the
+multi-process iterator is replaced; it keeps torch's observable rules: which worker gets which
+batch, the order batches come back (``in_order``), the base seed drawn from ``generator`` and
+the per-worker seeds, ``persistent_workers``, ``prefetch_factor`` and ``timeout``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import multiprocessing.connection
+import signal
+import socket
+
+import torch
+import torch.multiprocessing
+import torch.utils.data
+from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
+from torch.utils.data import _utils as torch_utils
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
+
+from . import collate
+from ._workers import worker_loop
+from .config import TransportConfig
+from .slabs import SlabRing
+
+_STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    __doc__ = (
+        "Drop-in replacement for :class:`torch.utils.data.DataLoader` (same arguments, same "
+        "behaviour) whose worker processes hand batches over through reused shared-memory "
+        "slabs instead of a new shared-memory segment per tensor per batch.\n\n"
+        + (torch.utils.data.DataLoader.__doc__ or "")
+    )
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        return _SlabDataLoaderIter(self)
+
+
+def _signal_name(exitcode: int | None) -> str:
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return signal.strsignal(-exitcode) or signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+class _SlabDataLoaderIter(_BaseDataLoaderIter):
+    """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        assert self._num_workers > 0 and self._prefetch_factor > 0
+        context = loader.multiprocessing_context or torch.multiprocessing
+        self._worker_init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+            self._worker_init_fn = functools.partial(
+                _sharding_worker_init_fn, self._worker_init_fn, self._world_size, self._rank
+            )
+        transport = TransportConfig.from_env()
+        self._shutdown = False
+        self._worker_pids_set = False
+        self._workers_status = [False] * self._num_workers
+        self._ring = SlabRing(keep_free_per_worker=self._prefetch_factor)
+        self._workers_done_event = context.Event()
+        self._index_queues = []
+        self._workers = []
+        self._result_conns = []
+        self._fd_socks = []
+        for worker_id in range(self._num_workers):
+            index_queue = context.Queue()
+            index_queue.cancel_join_thread()
+            result_recv, result_send = context.Pipe(duplex=False)
+            fd_main, fd_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            process = context.Process(
+                target=worker_loop,
+                args=(
+                    self._dataset_kind,
+                    self._dataset,
+                    index_queue,
+                    result_send,
+                    fd_worker,
+                    self._workers_done_event,
+                    self._auto_collation,
+                    self._collate_fn,
+                    self._drop_last,
+                    self._base_seed,
+                    self._worker_init_fn,
+                    worker_id,
+                    self._num_workers,
+                    self._shared_seed,
+                    transport,
+                ),
+                name=f"fastmm-worker-{worker_id}",
+                daemon=True,
+            )
+            process.start()
+            result_send.close()
+            fd_worker.close()
+            self._index_queues.append(index_queue)
+            self._workers.append(process)
+            self._result_conns.append(result_recv)
+            self._fd_socks.append(fd_main)
+        torch_utils.signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
+        torch_utils.signal_handling._set_SIGCHLD_handler()
+        self._worker_pids_set = True
+        self._reset(loader, first_iter=True)
+
+    # -- epoch -------------------------------------------------------------------------------
+
+    def _reset(self, loader, first_iter=False) -> None:
+        super()._reset(loader, first_iter)
+        self._send_idx = 0  # next task to send
+        self._rcvd_idx = 0  # next task to return
+        self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        if not first_iter:
+            for index_queue in self._index_queues:
+                index_queue.put(("resume", self._shared_seed))
+            pending = self._num_workers
+            while pending > 0:
+                idx, _ = self._get_data()
+                if idx == "resumed":
+                    pending -= 1
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def _return_slabs(self) -> None:
+        for worker_id, (release, destroy) in self._ring.drain().items():
+            if self._workers[worker_id].is_alive():
+                self._index_queues[worker_id].put(("slabs", release, destroy))
+
+    def _try_get_data(self, timeout: float):
+        """(True, (idx, data)) from any worker within ``timeout`` s, else (False, None); a dead
+        worker raises at once."""
+        self._return_slabs()
+        waiting = {conn: i for i, conn in enumerate(self._result_conns)}
+        sentinels = {
+            self._workers[i].sentinel: i
+            for i in range(self._num_workers)
+            if self._workers_status[i]
+        }
+        ready = multiprocessing.connection.wait([*waiting, *sentinels], timeout)
+        for obj in ready:
+            if obj in waiting:
+                try:
+                    return True, self._receive(waiting[obj])
+                except EOFError:
+                    continue  # its sentinel says why
+        failed = [
+            i
+            for i in range(self._num_workers)
+            if self._workers_status[i] and not self._workers[i].is_alive()
+        ]
+        if failed:
+            for i in failed:
+                self._mark_worker_as_unavailable(i)
+            details = "; ".join(
+                f"worker {i} (pid {self._workers[i].pid}): {_signal_name(self._workers[i].exitcode)}"
+                for i in failed
+            )
+            pids = ", ".join(str(self._workers[i].pid) for i in failed)
+            raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}")
+        return False, None
+
+    def _receive(self, worker_id: int):
+        message = self._result_conns[worker_id].recv()
+        if message[0] == "resumed":
+            return "resumed", None
+        send_idx, status, payload, used, new = message
+        if new:
+            self._ring.receive(worker_id, self._fd_socks[worker_id], new)
+        views = self._ring.lend(worker_id, used)
+        if status == "end":
+            return send_idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
+        return send_idx, collate.unpack(payload, views)
+
+    def _get_data(self):
+        if self._timeout > 0:
+            success, data = self._try_get_data(self._timeout)
+            if not success:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            return data
+        while True:
+            success, data = self._try_get_data(_STATUS_CHECK_INTERVAL_S)
+            if success:
+                return data
+
+    def _next_data(self):
+        while True:
+            # Skip tasks of workers that ended their IterableDataset; stop when none is left.
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info:
+                    worker_id = info[0]
+                    if len(info) == 2 or self._workers_status[worker_id]:
+                        break
+                    del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+
+            if len(self._task_info[self._rcvd_idx]) == 2:
+                worker_id, data = self._task_info.pop(self._rcvd_idx)
+                self._rcvd_idx += 1
+                return self._process_data(data, worker_id)
+
+            assert not self._shutdown and self._tasks_outstanding > 0
+            idx, data = self._get_data()
+            if idx == "resumed":
+                continue
+            self._tasks_outstanding -= 1
+            if self._dataset_kind == _DatasetKind.Iterable and isinstance(
+                data, torch_utils.worker._IterableDatasetStopIteration
+            ):
+                if self._persistent_workers:
+                    self._workers_status[data.worker_id] = False
+                else:
+                    self._mark_worker_as_unavailable(data.worker_id)
+                self._try_put_index()
+                continue
+
+            if idx != self._rcvd_idx:
+                if not self._in_order:
+                    worker_id = self._task_info.pop(idx)[0]
+                    return self._process_data(data, worker_id)
+                self._task_info[idx] += (data,)
+            else:
+                worker_id = self._task_info.pop(idx)[0]
+                self._rcvd_idx += 1
+                return self._process_data(data, worker_id)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def _try_put_index(self) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        assert self._tasks_outstanding < max_tasks
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):  # the next active worker, round robin
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id]:
+                if self._in_order:
+                    break
+                if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
+                    break
+        else:
+            return
+        self._index_queues[worker_id].put(("task", self._send_idx, index))
+        self._task_info[self._send_idx] = (worker_id,)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _process_data(self, data, worker_id: int):
+        self._workers_num_tasks[worker_id] -= 1
+        self._try_put_index()
+        if isinstance(data, torch._utils.ExceptionWrapper):
+            data.reraise()
+        if self._pin_memory:
+            data = torch_utils.pin_memory.pin_memory(data, self._pin_memory_device)
+        return data
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def _mark_worker_as_unavailable(self, worker_id: int, shutdown: bool = False) -> None:
+        self._index_queues[worker_id].put(None)
+        self._workers_status[worker_id] = False
+
+    def _shutdown_workers(self) -> None:
+        if torch_utils is None or torch_utils.python_exit_status in (True, None):
+            return
+        if self._shutdown:
+            return
+        self._shutdown = True
+        try:
+            self._workers_done_event.set()
+            for worker_id in range(len(self._workers)):
+                if self._persistent_workers or self._workers_status[worker_id]:
+                    self._mark_worker_as_unavailable(worker_id, shutdown=True)
+            for conn in self._result_conns:  # a worker blocked on sending gets EPIPE and exits
+                conn.close()
+            for process in self._workers:
+                process.join(timeout=_STATUS_CHECK_INTERVAL_S)
+            for index_queue in self._index_queues:
+                index_queue.cancel_join_thread()
+                index_queue.close()
+        finally:
+            if self._worker_pids_set:
+                torch_utils.signal_handling._remove_worker_pids(id(self))
+                self._worker_pids_set = False
+            for process in self._workers:
+                if process.is_alive():
+                    process.terminate()
+                    process.join(timeout=_STATUS_CHECK_INTERVAL_S)
+            for sock in self._fd_socks:
+                sock.close()
+            self._task_info = {}
+            self._ring.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_ring"):
+            self._shutdown_workers()

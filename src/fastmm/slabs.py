@@ -1,0 +1,273 @@
+"""The shared-memory slab ring: the only module that touches fastmm._C (or its twin).
+
+Workers write batches into slabs they own; the main process maps each slab once and wraps
+regions of it as tensors without copying. A slab is lent to one batch at a time and goes back
+to its worker when the last tensor viewing it is freed, so users may keep batches as long as
+they like: the ring grows when all slabs are held and shrinks back when they are released.
+
+Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
+processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
+reserved at creation, so a full /dev/shm raises SharedMemoryError instead of a SIGBUS later.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import mmap
+import os
+import resource
+import shutil
+import socket
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import TransportConfig
+
+_ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
+_GRANULE = 1 << 16  # slab sizes are rounded up to this
+_HEADROOM = 1.125  # a new slab holds this much more than the batch that asked for it
+
+
+class SharedMemoryError(RuntimeError):
+    """The slabs need more shared memory than the system will reserve."""
+
+
+def _load_native(pure_python: bool):
+    if not pure_python:
+        try:
+            from . import _C
+
+            return _C
+        except ImportError:
+            pass
+    from . import _twin
+
+    return _twin
+
+
+def native_backend(config: TransportConfig | None = None):
+    """The module that implements slab creation and gather: fastmm._C, or the twin."""
+    config = config or TransportConfig.from_env()
+    return _load_native(config.pure_python)
+
+
+def uses_cpp(config: TransportConfig | None = None) -> bool:
+    """True when the C++ extension is in use (not forced off and importable)."""
+    return native_backend(config).__name__ == "fastmm._C"
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _shm_error(exc: OSError, nbytes: int, shm_dir: str) -> SharedMemoryError:
+    try:
+        usage = shutil.disk_usage(shm_dir)
+        where = f"{shm_dir} has {usage.free:,} bytes free of {usage.total:,}"
+    except OSError:
+        where = f"{shm_dir} is not usable"
+    return SharedMemoryError(
+        f"fastmm could not reserve a {nbytes:,}-byte shared-memory slab for a batch "
+        f"({os.strerror(exc.errno or 0)}): {where}. Give the container more shared memory "
+        "(e.g. docker --shm-size), set FASTMM_SHM_DIR to a larger tmpfs, or lower batch_size, "
+        "prefetch_factor or num_workers."
+    )
+
+
+@dataclass
+class _OwnedSlab:
+    mm: mmap.mmap
+    capacity: int
+    address: int
+
+
+class SlabWriter:
+    """Worker side: owns this worker's slabs and hands out regions of them for one batch."""
+
+    def __init__(self, fd_sock: socket.socket, config: TransportConfig):
+        self._fd_sock = fd_sock
+        self._config = config
+        self._native = _load_native(config.pure_python)
+        self._slabs: dict[int, _OwnedSlab] = {}
+        self._free: list[int] = []
+        self._next_id = 0
+        self._expected = 0  # bytes the previous batch needed: the size a new slab starts from
+        self._batch: list[list[int]] = []  # [slab_id, bytes used] for the batch being written
+        self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
+
+    @property
+    def gather(self):
+        return self._native.gather
+
+    def apply(self, release: list[int], destroy: list[int]) -> None:
+        """Take back slabs the main process no longer views; drop the ones it retired."""
+        self._free.extend(release)
+        for slab_id in destroy:
+            _close_quietly(self._slabs.pop(slab_id).mm)
+
+    def begin(self) -> None:
+        self._batch = []
+
+    def alloc(self, nbytes: int) -> tuple[int, int, memoryview]:
+        """A writable region of ``nbytes`` for the current batch: (slab id, offset, view)."""
+        for entry in self._batch:
+            slab_id, used = entry
+            start = _round_up(used, _ALIGN)
+            if start + nbytes <= self._slabs[slab_id].capacity:
+                entry[1] = start + nbytes
+                return slab_id, start, memoryview(self._slabs[slab_id].mm)[start : start + nbytes]
+        slab_id = self._take(nbytes)
+        self._batch.append([slab_id, nbytes])
+        return slab_id, 0, memoryview(self._slabs[slab_id].mm)[:nbytes]
+
+    def locate(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """(slab id, offset) if [address, address+nbytes) lies in a slab of the current batch."""
+        for slab_id, used in self._batch:
+            slab = self._slabs[slab_id]
+            if slab.address <= address and address + nbytes <= slab.address + used:
+                return slab_id, address - slab.address
+        return None
+
+    def finish(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """End the batch: send new slabs' fds; return (slabs used, [(new id, capacity)])."""
+        used = [slab_id for slab_id, _ in self._batch]
+        self._expected = max(self._expected, sum(n for _, n in self._batch))
+        self._batch = []
+        created, self._created = self._created, []
+        if created:
+            fds = [fd for _, _, fd in created]
+            try:
+                socket.send_fds(self._fd_sock, [bytes([len(fds)])], fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        return used, [(slab_id, capacity) for slab_id, capacity, _ in created]
+
+    def _take(self, nbytes: int) -> int:
+        fitting = [i for i in self._free if self._slabs[i].capacity >= nbytes]
+        if fitting:
+            best = min(fitting, key=lambda i: self._slabs[i].capacity)
+            self._free.remove(best)
+            return best
+        capacity = _round_up(int(max(nbytes, self._expected) * _HEADROOM), _GRANULE)
+        try:
+            fd = self._native.create_slab(self._config.shm_dir, capacity)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise _shm_error(exc, capacity, self._config.shm_dir) from None
+            raise
+        mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        address = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+        slab_id = self._next_id
+        self._next_id += 1
+        self._slabs[slab_id] = _OwnedSlab(mm, capacity, address)
+        self._created.append((slab_id, capacity, fd))
+        return slab_id
+
+    def close(self) -> None:
+        for _, _, fd in self._created:
+            os.close(fd)
+        self._created = []
+        for slab in self._slabs.values():
+            _close_quietly(slab.mm)
+        self._slabs.clear()
+
+
+class SlabRing:
+    """Main side: maps every worker's slabs and returns them once no tensor views them."""
+
+    def __init__(self, keep_free_per_worker: int):
+        self._keep = keep_free_per_worker
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._held: dict[tuple[int, int], bool] = {}
+        self._released: collections.deque[tuple[int, int]] = collections.deque()
+        self._closed = False
+        _raise_fd_limit()
+
+    def receive(self, worker_id: int, fd_sock: socket.socket, new: list[tuple[int, int]]) -> None:
+        """Map the slabs a worker just created (their fds wait on ``fd_sock``)."""
+        _, fds, flags, _ = socket.recv_fds(fd_sock, 1, len(new))
+        try:
+            if flags & socket.MSG_CTRUNC or len(fds) != len(new):
+                raise RuntimeError(
+                    f"fastmm: expected {len(new)} slab descriptors from worker {worker_id}, "
+                    f"got {len(fds)}; raise the open-file limit (ulimit -n)"
+                )
+            for (slab_id, capacity), fd in zip(new, fds):
+                self._maps[(worker_id, slab_id)] = mmap.mmap(
+                    fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE
+                )
+                self._held[(worker_id, slab_id)] = False
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def lend(self, worker_id: int, slab_ids: list[int]) -> dict[int, memoryview]:
+        """Views of a batch's slabs; each slab comes back when its view is no longer used."""
+        views = {}
+        for slab_id in slab_ids:
+            key = (worker_id, slab_id)
+            view = memoryview(self._maps[key])
+            self._held[key] = True
+            weakref.finalize(view, self._on_release, key)
+            views[slab_id] = view
+        return views
+
+    def _on_release(self, key: tuple[int, int]) -> None:
+        # May run in any thread, whenever the last tensor of a batch is freed.
+        if self._closed:
+            self._held.pop(key, None)
+            self._maps.pop(key, None)
+        else:
+            self._released.append(key)
+
+    def drain(self) -> dict[int, tuple[list[int], list[int]]]:
+        """Slabs released since the last call, per worker: (to reuse, to destroy)."""
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        while self._released:
+            key = self._released.popleft()
+            worker_id, slab_id = key
+            self._held[key] = False
+            free = sum(1 for k, held in self._held.items() if k[0] == worker_id and not held)
+            release, destroy = out.setdefault(worker_id, ([], []))
+            if free > self._keep:
+                destroy.append(slab_id)
+                del self._held[key]
+                _close_quietly(self._maps.pop(key))
+            else:
+                release.append(slab_id)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Shared memory mapped by the main process (the ``shm_bytes`` metric)."""
+        return sum(len(mm) for mm in self._maps.values())
+
+    def close(self) -> None:
+        """Drop every mapping no tensor views; held ones go when their tensors do."""
+        self._closed = True
+        while self._released:
+            self._held[self._released.popleft()] = False
+        for key in [k for k, held in self._held.items() if not held]:
+            del self._held[key]
+            _close_quietly(self._maps.pop(key))
+
+
+def _close_quietly(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a region is still viewed: the mapping goes with its last view
+        pass
+
+
+def _raise_fd_limit() -> None:
+    """Each mapped slab keeps one descriptor open; lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
