@@ -74,7 +74,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         self._worker_pids_set = False
         self._workers_status = [False] * self._num_workers
-        self._ring = SlabRing(keep_free_per_worker=self._prefetch_factor)
+        self._ring = SlabRing(keep_free_per_worker=self._prefetch_factor + 1)
         self._workers_done_event = context.Event()
         self._index_queues = []
         self._workers = []
@@ -205,6 +205,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
                 return data
 
     def _next_data(self):
+        self._return_slabs()  # slabs of batches the loop dropped go back before new tasks go out
         while True:
             # Skip tasks of workers that ended their IterableDataset; stop when none is left.
             while self._rcvd_idx < self._send_idx:

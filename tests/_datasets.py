@@ -1,0 +1,575 @@
+"""Datasets, samplers, collate functions and comparison helpers shared by the loader tests.
+
+Everything a worker process may need to unpickle lives at module level here, so that the
+same objects work with the "fork", "spawn" and "forkserver" start methods (a spawned worker
+imports this module by name; conftest.py keeps tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import random
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+# --------------------------------------------------------------------------------------------
+# Sample types
+# --------------------------------------------------------------------------------------------
+
+
+class Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+class Pair(NamedTuple):
+    left: Any
+    right: Any
+
+
+class Holder:
+    """A user class holding tensors (what a custom collate_fn may return)."""
+
+    def __init__(self, images, labels, meta):
+        self.images = images
+        self.labels = labels
+        self.meta = meta
+
+    def __repr__(self):  # used by canonical() for multiset comparison
+        return f"Holder({canonical(vars(self))})"
+
+
+def _wid() -> int:
+    info = get_worker_info()
+    return -1 if info is None else info.id
+
+
+def make_sample(kind: str, i: int, offset: int = 0):
+    """A deterministic sample of the given kind for index ``i`` (plus the worker id where it
+    makes the worker assignment observable)."""
+    v = i + offset
+    if kind == "tensor":
+        return torch.arange(12, dtype=torch.float32).reshape(3, 4) + v
+    if kind == "tensor_wid":
+        return {"x": torch.arange(6, dtype=torch.int64) + v, "wid": _wid(), "i": v}
+    if kind == "dtypes":
+        g = torch.Generator().manual_seed(v)
+        return {
+            "u8": torch.randint(0, 256, (8, 8), dtype=torch.uint8, generator=g),
+            "i8": torch.randint(-128, 128, (5,), dtype=torch.int8, generator=g),
+            "i16": torch.randint(-1000, 1000, (5,), dtype=torch.int16, generator=g),
+            "i32": torch.randint(-(2**31), 2**31 - 1, (5,), dtype=torch.int32, generator=g),
+            "i64": torch.randint(-(2**62), 2**62, (4, 3), dtype=torch.int64, generator=g),
+            "f16": torch.randn(6, generator=g).to(torch.float16),
+            "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+            "f32": torch.randn(2, 3, 4, generator=g),
+            "f64": torch.randn(7, dtype=torch.float64, generator=g),
+            "c64": torch.randn(3, dtype=torch.complex64, generator=g),
+            "bool": torch.rand(9, generator=g) > 0.5,
+            "zero_dim_i": torch.tensor(v),
+            "zero_dim_f": torch.tensor(v / 7.0, dtype=torch.float64),
+            "empty": torch.empty(0, 3),
+            "empty2": torch.zeros(2, 0, 5, dtype=torch.int32),
+            # > 16 KiB per sample: slab path even for a single sample
+            "big_f32": torch.randn(72, 72, generator=g),
+            "big_u8": torch.randint(0, 256, (3, 96, 96), dtype=torch.uint8, generator=g),
+            "big_bool": torch.rand(20000, generator=g) > 0.3,
+            "big_bf16": torch.randn(100, 100, generator=g).to(torch.bfloat16),
+            "big_i64": torch.arange(3000, dtype=torch.int64) * (v + 1),
+            # right at the inline threshold (16 KiB) and one element past it
+            "edge_16k": torch.full((4096,), float(v)),
+            "edge_16k_plus": torch.full((4097,), float(v)),
+            "small": torch.tensor([v, -v], dtype=torch.int64),
+            "wid": _wid(),
+        }
+    if kind == "numpy":
+        rs = np.random.RandomState(v)
+        return {
+            "f32": rs.rand(4, 4).astype(np.float32),
+            "i16": rs.randint(-100, 100, size=(3,)).astype(np.int16),
+            "u8_big": rs.randint(0, 256, size=(3, 64, 64)).astype(np.uint8),
+            "f64_0d": np.array(v / 3.0),
+            "f64": np.float64(v / 3.0),
+            "f32s": np.float32(v * 0.25),
+            "i32": np.int32(v * 7),
+            "u8s": np.uint8(v % 256),
+            "b": np.bool_(v % 2 == 0),
+            "fortran": np.asfortranarray(rs.rand(3, 5)),
+            "noncontig": rs.rand(6, 8)[::2, 1::3],
+        }
+    if kind == "python":
+        return {
+            "int": v * 3,
+            "neg": -v,
+            "float": v / 8.0,
+            "bool": v % 3 == 0,
+            "str": f"sample-{v}",
+            "unicode": "ünïcødé-" + "é" * (v % 4),
+            "bytes": bytes([v % 256]) * (v % 5 + 1),
+            "big_int": 2**40 + v,
+        }
+    if kind == "containers":
+        t = torch.full((2, 2), float(v))
+        return {
+            "tuple": (v, t, f"t{v}"),
+            "list": [t * 2, v, [float(v), v % 2 == 1]],
+            "point": Point(x=t, y=v),
+            "nested_point": Point(x=Pair(left=v, right=t.long()), y={"s": str(v), "a": np.int64(v)}),
+            "odict": collections.OrderedDict([("b", v), ("a", t.sum())]),
+            "dict_of_dicts": {"inner": {"deep": {"x": t[0], "y": [v, v + 1]}}},
+            "int_keys": {1: v, 2: t[1]},
+        }
+    if kind == "mixed_big_small":
+        return {
+            "image": (torch.arange(3 * 48 * 48, dtype=torch.int32).reshape(3, 48, 48) + v).to(torch.uint8),
+            "label": v % 10,
+            "caption": f"caption {v}",
+            "emb": torch.full((4,), v / 2.0, dtype=torch.float64),
+            "meta": {"id": v, "tags": ["a", f"t{v % 3}"]},
+        }
+    if kind == "noncontig":
+        base = torch.arange(120 * 100, dtype=torch.float32).reshape(120, 100) + v
+        return {
+            "big_t": base.t(),  # 48 KB, not contiguous
+            "big_step": base[::2, ::3],
+            "small_t": base[:4, :3].t(),
+            "expanded": torch.tensor([v, v + 1]).expand(3, 2),
+        }
+    if kind == "big":
+        return torch.full((3, 64, 64), float(v))
+    raise ValueError(kind)
+
+
+class SampleDataset(Dataset):
+    """Map-style dataset of ``make_sample(kind, i)``; ``offset`` may be set by worker_init_fn."""
+
+    def __init__(self, n: int, kind: str = "tensor"):
+        self.n = n
+        self.kind = kind
+        self.offset = 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return make_sample(self.kind, int(i), self.offset)
+
+
+class DelayedDataset(SampleDataset):
+    """Some indices are slow, so that with in_order=False batches come back out of order."""
+
+    def __getitem__(self, i):
+        if int(i) % 5 == 0:
+            time.sleep(0.03)
+        return make_sample(self.kind, int(i), self.offset)
+
+
+class GetItemsDataset(SampleDataset):
+    """A map-style dataset with ``__getitems__`` (batched fetch), as torch supports."""
+
+    def __getitems__(self, indices):
+        return [{"x": make_sample(self.kind, int(i)), "via": "getitems", "n": len(indices)} for i in indices]
+
+
+class BatchedGetItemsDataset(SampleDataset):
+    """``__getitems__`` returning an already-batched structure (used with an identity collate)."""
+
+    def __getitems__(self, indices):
+        idx = torch.tensor(list(indices))
+        return {"idx": idx, "x": torch.stack([make_sample(self.kind, int(i)) for i in indices]), "wid": _wid()}
+
+
+class RangeIterable(IterableDataset):
+    """An IterableDataset over ``make_sample(kind, i)`` for i in range(n).
+
+    shard="none": every worker yields everything (duplicates, like torch);
+    shard="stride": worker k yields i = k, k+W, k+2W, ...;
+    shard="uneven": worker k yields a contiguous chunk whose size grows with k (workers end at
+    different times).
+    """
+
+    def __init__(self, n: int, kind: str = "tensor", shard: str = "stride"):
+        self.n = n
+        self.kind = kind
+        self.shard = shard
+
+    def __iter__(self):
+        info = get_worker_info()
+        if info is None or self.shard == "none":
+            ids = range(self.n)
+        elif self.shard == "stride":
+            ids = range(info.id, self.n, info.num_workers)
+        elif self.shard == "uneven":
+            weights = [k + 1 for k in range(info.num_workers)]
+            total = sum(weights)
+            bounds = [0]
+            for w in weights:
+                bounds.append(bounds[-1] + self.n * w // total)
+            bounds[-1] = self.n
+            ids = range(bounds[info.id], bounds[info.id + 1])
+        else:
+            raise ValueError(self.shard)
+        for i in ids:
+            yield make_sample(self.kind, i)
+
+
+class SizedRangeIterable(RangeIterable):
+    def __len__(self):
+        return self.n
+
+
+class RandomDataset(Dataset):
+    """Samples drawn from the worker's torch, random and NumPy global RNGs."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {
+            "i": int(i),
+            "wid": _wid(),
+            "torch": torch.rand(3),
+            "torch_int": torch.randint(0, 1 << 30, (2,)),
+            "randn_big": torch.randn(4200),  # > 16 KiB
+            "random": random.random(),
+            "randint": random.randint(0, 1 << 30),
+            "np": np.random.rand(2),
+            "np_int": int(np.random.randint(0, 1 << 30)),
+        }
+
+
+class RandomIterable(IterableDataset):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i in range(info.id, self.n, info.num_workers):
+            yield {"i": i, "t": torch.rand(2), "r": random.random(), "n": np.random.rand()}
+
+
+class WorkerInfoDataset(Dataset):
+    """Reports what get_worker_info() and the RNGs say inside the worker."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.tag = "worker-info-dataset"
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        frozen = False
+        try:
+            info.id = 99
+        except RuntimeError:
+            frozen = True
+        return {
+            "i": int(i),
+            "id": info.id,
+            "num_workers": info.num_workers,
+            "seed": info.seed,
+            "dataset_is_self": info.dataset is self,
+            "dataset_tag": info.dataset.tag,
+            "info_type": type(info).__module__ + "." + type(info).__qualname__,
+            "frozen": frozen,
+            "torch_initial_seed": torch.initial_seed(),
+            "np_state_head": [int(x) for x in np.random.get_state()[1][:8]],
+            "init_state": getattr(self, "init_state", None),
+            "pid": os.getpid(),
+        }
+
+
+def record_init_state(worker_id: int) -> None:
+    """worker_init_fn: record what the worker saw at init time in its dataset copy."""
+    info = get_worker_info()
+    info.dataset.init_state = {
+        "worker_id_arg": worker_id,
+        "info_id": info.id,
+        "seed": info.seed,
+        "torch_initial_seed": torch.initial_seed(),
+        "random_first": random.random(),
+        "np_first": float(np.random.rand()),
+    }
+
+
+def set_offset(worker_id: int) -> None:
+    """worker_init_fn: changes the worker's dataset copy and reseeds NumPy per worker."""
+    info = get_worker_info()
+    info.dataset.offset = 1000 * (worker_id + 1)
+    np.random.seed(1234 + worker_id)
+
+
+def fail_init(worker_id: int) -> None:
+    raise ZeroDivisionError(f"init failed in worker {worker_id}")
+
+
+class FailingDataset(Dataset):
+    """Raises ``exc_type`` for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad=(5,), exc_type=ValueError):
+        self.n = n
+        self.bad = set(bad)
+        self.exc_type = exc_type
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if int(i) in self.bad:
+            raise self.exc_type(f"bad index {i}")
+        return torch.tensor([int(i)])
+
+
+class SleepyDataset(Dataset):
+    def __init__(self, n: int, slow: int, seconds: float):
+        self.n = n
+        self.slow = slow
+        self.seconds = seconds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if int(i) == self.slow:
+            time.sleep(self.seconds)
+        return torch.tensor([int(i)])
+
+
+class SuicideDataset(Dataset):
+    """The worker that fetches index ``victim`` kills itself with SIGKILL."""
+
+    def __init__(self, n: int, victim: int):
+        self.n = n
+        self.victim = victim
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if int(i) == self.victim:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([int(i)])
+
+
+class FullDataset(Dataset):
+    """Sample i is a float32 tensor of ``shape`` filled with i (easy to verify later)."""
+
+    def __init__(self, n: int, shape=(256, 256), dtype=torch.float32):
+        self.n = n
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.full(self.shape, float(i), dtype=self.dtype), "i": int(i)}
+
+
+class PidDataset(Dataset):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"i": int(i), "pid": os.getpid()}
+
+
+class ParamDataset(Dataset):
+    """Samples that are tensor subclasses / special tensors (used with batch_size=None)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {
+            "param": torch.nn.Parameter(torch.full((3,), float(i))),
+            "leaf_grad": torch.full((2, 2), float(i)).requires_grad_(),
+            "big_param": torch.nn.Parameter(torch.full((5000,), float(i))),
+            "none": None,
+            "str": f"s{i}",
+            "np": np.arange(3) * i,
+            "view_of_big": torch.arange(10000, dtype=torch.float32)[i : i + 5],
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Samplers
+# --------------------------------------------------------------------------------------------
+
+
+class ReverseSampler(Sampler):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self):
+        return self.n
+
+
+class EveryOtherSampler(Sampler):
+    """Yields numpy integers, not Python ints (samplers may do that)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return iter(np.arange(0, self.n, 2))
+
+    def __len__(self):
+        return (self.n + 1) // 2
+
+
+class VariableBatchSampler(Sampler):
+    """Batches of sizes 1, 2, 3, 1, 2, 3, ... over a permutation."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n = n
+        self.seed = seed
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed)).tolist()
+        size, pos = 1, 0
+        while pos < len(order):
+            yield order[pos : pos + size]
+            pos += size
+            size = size % 3 + 1
+
+    def __len__(self):
+        count, size, pos = 0, 1, 0
+        while pos < self.n:
+            count += 1
+            pos += size
+            size = size % 3 + 1
+        return count
+
+
+# --------------------------------------------------------------------------------------------
+# collate_fn
+# --------------------------------------------------------------------------------------------
+
+
+def collate_identity(batch):
+    return batch
+
+
+def collate_stack_sum(batch):
+    x = torch.stack(batch)
+    return x, x.sum(dim=0), len(batch)
+
+
+def collate_nested(batch):
+    xs = [b["big_f32"] for b in batch]
+    return {
+        "stacked": torch.stack(xs),
+        "pairs": [(b["small"], int(b["zero_dim_i"])) for b in batch],
+        "meta": {"n": len(batch), "ids": tuple(int(b["zero_dim_i"]) for b in batch)},
+        "point": Point(x=torch.cat([b["u8"] for b in batch]), y=[b["bf16"] for b in batch]),
+    }
+
+
+def collate_holder(batch):
+    images = torch.stack([b["image"] for b in batch]).float() / 255
+    labels = torch.tensor([b["label"] for b in batch])
+    return Holder(images=images, labels=labels, meta=[b["caption"] for b in batch])
+
+
+def collate_noncontig(batch):
+    x = torch.stack(batch)  # (B, 3, 4) small, and a big derived tensor
+    big = x.repeat(1, 200, 10)  # B*600*40 floats
+    return {"t": big.transpose(1, 2), "slice": big[:, ::7, 3], "x": x, "diag": x[:, 0].diagonal(dim1=0, dim2=1)}
+
+
+def collate_numpy(batch):
+    x = torch.stack(batch).numpy()
+    return {"np": x, "np_big": np.repeat(x, 500, axis=0), "list": [a.tolist() for a in x]}
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison helpers
+# --------------------------------------------------------------------------------------------
+
+
+def assert_same(a, b, path: str = "batch") -> None:
+    """Exact recursive equality: types (incl. namedtuple/dict/list/tuple classes), dtypes,
+    shapes, strides, values (NaN-free data assumed), and order of dict keys."""
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert a.layout == b.layout, f"{path}: layout {a.layout} != {b.layout}"
+        assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
+        assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
+        if a.layout == torch.strided:
+            assert a.stride() == b.stride(), f"{path}: stride {a.stride()} != {b.stride()}"
+            assert torch.equal(a.detach(), b.detach()), f"{path}: values differ"
+        else:
+            assert torch.equal(a.detach().to_dense(), b.detach().to_dense()), f"{path}: values differ"
+        return
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        assert np.array_equal(a, b), f"{path}: values differ"
+        return
+    if isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a == b, f"{path}: {a!r} != {b!r}"
+        return
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+        return
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: len {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+        return
+    if isinstance(a, float):
+        assert a == b or (math.isnan(a) and math.isnan(b)), f"{path}: {a!r} != {b!r}"
+        return
+    if isinstance(a, (int, str, bytes, bool, type(None))):
+        assert a == b, f"{path}: {a!r} != {b!r}"
+        return
+    if hasattr(a, "__dict__"):
+        assert_same(vars(a), vars(b), f"{path}.__dict__")
+        return
+    assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def canonical(x) -> str:
+    """A string that identifies a batch's content exactly (to sort batches into a multiset)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        return f"T({t.dtype},{tuple(t.shape)},{t.tolist()!r})"
+    if isinstance(x, np.ndarray):
+        return f"N({x.dtype},{x.shape},{x.tolist()!r})"
+    if isinstance(x, dict):
+        items = ",".join(f"{k!r}:{canonical(v)}" for k, v in x.items())
+        return f"{type(x).__name__}{{{items}}}"
+    if isinstance(x, (list, tuple)):
+        return f"{type(x).__name__}[{','.join(canonical(v) for v in x)}]"
+    if hasattr(x, "__dict__") and not isinstance(x, type):
+        return f"{type(x).__name__}({canonical(vars(x))})"
+    return f"{type(x).__name__}:{x!r}"

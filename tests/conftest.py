@@ -1,0 +1,32 @@
+"""Shared fixtures for the fastmm test suite."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# tests/_datasets.py must be importable by name, also in "spawn"/"forkserver" workers (they get
+# the parent's sys.path), whatever pytest's import mode is.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+
+@pytest.fixture(params=["cpp", "pure"])
+def transport(request, monkeypatch):
+    """Run a test on both slab transports: the C++ extension and its pure-Python twin.
+
+    FASTMM_PURE_PYTHON is read when an iterator is created (``iter(loader)``), so the
+    environment set here applies to every loader the test iterates."""
+    import fastmm
+
+    if request.param == "cpp":
+        monkeypatch.delenv("FASTMM_PURE_PYTHON", raising=False)
+        if not fastmm.uses_cpp():
+            pytest.skip("fastmm._C is not importable here; only the pure-Python twin can run")
+    else:
+        monkeypatch.setenv("FASTMM_PURE_PYTHON", "1")
+        assert not fastmm.uses_cpp()
+    return request.param

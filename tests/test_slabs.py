@@ -1,0 +1,102 @@
+"""fastmm._C and its pure-Python twin: the same results and the same errors."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+import fastmm
+from fastmm import _twin
+from _shm import private_tmpfs, used_bytes
+
+
+def _backends():
+    backends = [pytest.param(_twin, id="pure")]
+    try:
+        from fastmm import _C
+
+        backends.append(pytest.param(_C, id="cpp"))
+    except ImportError:
+        if os.environ.get("FASTMM_REQUIRE_CPP") == "1":
+            raise
+    return backends
+
+
+@pytest.fixture(params=_backends())
+def native(request):
+    return request.param
+
+
+def test_create_slab_reserves_space_and_leaves_no_name(native, tmp_path):
+    with private_tmpfs("16m") as shm:
+        before = os.listdir(shm)
+        fd = native.create_slab(shm, 4 << 20)
+        try:
+            assert os.fstat(fd).st_size == 4 << 20
+            assert used_bytes(shm) >= 4 << 20  # reserved up front, not on first touch
+            assert os.listdir(shm) == before  # unnamed: nothing to leak
+            mm = mmap.mmap(fd, 4 << 20)
+            mm[:5] = b"hello"
+            assert mm[:5] == b"hello"
+            mm.close()
+        finally:
+            os.close(fd)
+        assert used_bytes(shm) == 0
+
+
+def test_create_slab_full_tmpfs_is_enospc(native):
+    with private_tmpfs("4m") as shm:
+        with pytest.raises(OSError) as info:
+            native.create_slab(shm, 8 << 20)
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename == shm
+        assert used_bytes(shm) == 0
+
+
+def test_create_slab_rejects_bad_size(native):
+    with pytest.raises(ValueError, match="positive"):
+        native.create_slab("/dev/shm", 0)
+
+
+def test_create_slab_missing_dir(native, tmp_path):
+    with pytest.raises(OSError) as info:
+        native.create_slab(str(tmp_path / "absent"), 4096)
+    assert info.value.errno == errno.ENOENT
+
+
+def test_gather_places_each_source_in_its_slot(native):
+    dst = bytearray(64)
+    native.gather(dst, 4, [b"abc", np.array([1, 2], dtype=np.uint8), memoryview(b"xyz")], 10)
+    expected = bytearray(64)
+    expected[4:7] = b"abc"
+    expected[14:16] = bytes([1, 2])
+    expected[24:27] = b"xyz"
+    assert dst == expected
+
+
+def test_gather_is_bounds_checked(native):
+    dst = bytearray(16)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gather(dst, 0, [b"12345"], 4)  # larger than its slot
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gather(dst, 12, [b"1234", b"5678"], 4)  # past the end
+    with pytest.raises(ValueError, match="non-negative"):
+        native.gather(dst, -1, [b"1"], 4)
+    assert dst == bytearray(16)  # nothing written when any source does not fit
+
+
+def test_gather_needs_writable_destination(native):
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        native.gather(b"read-only", 0, [b"x"], 1)
+
+
+def test_backend_choice_follows_environment(monkeypatch):
+    monkeypatch.setenv("FASTMM_PURE_PYTHON", "1")
+    assert fastmm.uses_cpp() is False
+    monkeypatch.setenv("FASTMM_PURE_PYTHON", "maybe")
+    with pytest.raises(fastmm.ConfigError, match="FASTMM_PURE_PYTHON='maybe'"):
+        fastmm.uses_cpp()

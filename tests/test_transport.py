@@ -1,0 +1,211 @@
+"""The slab ring end to end: reuse, growth and shrink, nothing leaked, a full /dev/shm."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import fastmm
+from _shm import private_tmpfs, used_bytes
+
+
+@pytest.fixture(params=["cpp", "pure"])
+def path(request, monkeypatch):
+    """Run the test on the C++ path and on its pure-Python twin."""
+    if request.param == "pure":
+        monkeypatch.setenv("FASTMM_PURE_PYTHON", "1")
+    else:
+        monkeypatch.delenv("FASTMM_PURE_PYTHON", raising=False)
+        if not fastmm.uses_cpp():
+            if os.environ.get("FASTMM_REQUIRE_CPP") == "1":
+                pytest.fail("fastmm._C is not built but FASTMM_REQUIRE_CPP=1")
+            pytest.skip("fastmm._C is not built")
+    return request.param
+
+
+class Frames(Dataset):
+    """Sample i is a 3x128x128 uint8 image filled with i % 251, plus its id."""
+
+    def __init__(self, n: int = 64):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((3, 128, 128), i % 251, dtype=torch.uint8), i
+
+
+def _check(batch, start: int, size: int):
+    images, ids = batch
+    assert ids.tolist() == list(range(start, start + size))
+    for image, i in zip(images, ids.tolist()):
+        assert int(image.min()) == int(image.max()) == i % 251
+
+
+def _children():
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
+def _wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_ring_reuses_slabs_in_steady_state(path, monkeypatch):
+    with private_tmpfs("256m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        loader = fastmm.DataLoader(Frames(400), batch_size=8, num_workers=2)
+        it = iter(loader)
+        created = 0
+        for k, batch in enumerate(it):
+            _check(batch, 8 * k, 8)
+            created = max(created, len(it._ring._maps))
+        # 50 batches went through; each worker needs only prefetch + a few slabs.
+        assert created <= 2 * (loader.prefetch_factor + 2)
+        del it, batch
+        gc.collect()
+        assert _wait_until(lambda: used_bytes(shm) == 0)
+
+
+def test_kept_batches_grow_the_ring_and_stay_intact(path, monkeypatch):
+    with private_tmpfs("512m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        loader = fastmm.DataLoader(
+            Frames(320), batch_size=8, num_workers=2, persistent_workers=True
+        )
+        kept = list(loader)  # like torch: every batch stays valid while the user holds it
+        assert len(kept) == 40
+        for k, batch in enumerate(kept):
+            _check(batch, 8 * k, 8)
+        grown = used_bytes(shm)
+        assert grown >= 40 * 8 * 3 * 128 * 128  # one slab per kept batch
+        for k, batch in enumerate(kept):  # still intact after the epoch ended
+            _check(batch, 8 * k, 8)
+        del kept, batch
+        gc.collect()
+        for k, batch in enumerate(loader):  # a second epoch returns the freed slabs
+            _check(batch, 8 * k, 8)
+        del batch
+        gc.collect()
+        assert _wait_until(lambda: used_bytes(shm) < grown / 4)
+        del loader
+        gc.collect()
+        assert _wait_until(lambda: used_bytes(shm) == 0)
+
+
+def test_nothing_left_after_delete_or_error(path, monkeypatch):
+    with private_tmpfs("256m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        shm_names = set(os.listdir("/dev/shm"))
+        fds = _open_fds()
+
+        loader = fastmm.DataLoader(Frames(64), batch_size=8, num_workers=2)
+        for k, batch in enumerate(loader):
+            if k == 2:
+                break  # break out early
+        del loader, batch
+        gc.collect()
+        assert _wait_until(lambda: not _children())
+        assert _wait_until(lambda: used_bytes(shm) == 0)
+
+        class Broken(Frames):
+            def __getitem__(self, i):
+                if i == 20:
+                    raise ValueError("bad sample 20")
+                return super().__getitem__(i)
+
+        def consume():
+            for _ in fastmm.DataLoader(Broken(64), batch_size=8, num_workers=2):
+                pass
+
+        with pytest.raises(ValueError, match="bad sample 20"):
+            consume()
+        gc.collect()
+        assert _wait_until(lambda: not _children())
+        assert _wait_until(lambda: used_bytes(shm) == 0)
+        assert set(os.listdir("/dev/shm")) <= shm_names
+        assert _wait_until(lambda: _open_fds() <= fds)
+
+
+_KILLED_MAIN = textwrap.dedent(
+    """
+    import os, sys, time, torch, fastmm
+    from torch.utils.data import Dataset
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 10_000
+        def __getitem__(self, i):
+            if i > 40:
+                time.sleep(0.5)  # workers are busy in user code when the main process dies
+            return torch.zeros(3, 256, 256, dtype=torch.uint8)
+
+    loader = fastmm.DataLoader(Slow(), batch_size=4, num_workers=2)
+    it = iter(loader)
+    kept = [next(it) for _ in range(8)]
+    print(" ".join(str(w.pid) for w in it._workers), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path):
+    with private_tmpfs("256m") as shm:
+        script = tmp_path / "main.py"
+        script.write_text(_KILLED_MAIN)
+        env = {**os.environ, "FASTMM_SHM_DIR": shm}
+        main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+        try:
+            pids = [int(p) for p in main.stdout.readline().split()]
+            assert len(pids) == 2 and used_bytes(shm) > 0
+            main.send_signal(signal.SIGKILL)
+            main.wait(timeout=10)
+            assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5)
+            assert _wait_until(lambda: used_bytes(shm) == 0, timeout=5)
+        finally:
+            main.kill()
+            main.stdout.close()
+
+
+def test_full_shm_is_a_clear_error_not_a_sigbus(path, monkeypatch):
+    with private_tmpfs("8m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        big = Frames(64)  # a batch of 16 images is 786,432 bytes: fits
+        loader = fastmm.DataLoader(big, batch_size=32, num_workers=1)
+        for batch in loader:
+            _check(batch, int(batch[1][0]), 32)
+        del batch
+
+        class Huge(Dataset):
+            def __len__(self):
+                return 8
+
+            def __getitem__(self, i):
+                return torch.ones(4 << 20, dtype=torch.uint8)
+
+        with pytest.raises(fastmm.SharedMemoryError) as info:
+            next(iter(fastmm.DataLoader(Huge(), batch_size=4, num_workers=1)))
+        message = str(info.value)
+        assert shm in message and "bytes" in message and "shm-size" in message
+        del info  # its traceback holds the iterator
+        gc.collect()
+        assert _wait_until(lambda: not _children())
