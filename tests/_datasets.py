@@ -178,7 +178,13 @@ class GetItemsDataset(SampleDataset):
 
 
 class BatchedGetItemsDataset(SampleDataset):
-    """``__getitems__`` returning an already-batched structure (used with an identity collate)."""
+    """``__getitems__`` returning an already-batched structure (used with an identity collate);
+    indexing with a list of indices (a sampler that yields batches) does the same."""
+
+    def __getitem__(self, i):
+        if isinstance(i, list):
+            return self.__getitems__(i)
+        return make_sample(self.kind, int(i), self.offset)
 
     def __getitems__(self, indices):
         idx = torch.tensor(list(indices))
@@ -510,9 +516,10 @@ def collate_numpy(batch):
 # --------------------------------------------------------------------------------------------
 
 
-def assert_same(a, b, path: str = "batch") -> None:
+def assert_same(a, b, path: str = "batch", strides: bool = False) -> None:
     """Exact recursive equality: types (incl. namedtuple/dict/list/tuple classes), dtypes,
-    shapes, strides, values (NaN-free data assumed), and order of dict keys."""
+    shapes, values (NaN-free data assumed), and order of dict keys; with ``strides`` also
+    the tensors' strides (memory layout)."""
     assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
@@ -521,7 +528,8 @@ def assert_same(a, b, path: str = "batch") -> None:
         assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
         assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
         if a.layout == torch.strided:
-            assert a.stride() == b.stride(), f"{path}: stride {a.stride()} != {b.stride()}"
+            if strides:
+                assert a.stride() == b.stride(), f"{path}: stride {a.stride()} != {b.stride()}"
             assert torch.equal(a.detach(), b.detach()), f"{path}: values differ"
         else:
             assert torch.equal(a.detach().to_dense(), b.detach().to_dense()), f"{path}: values differ"
@@ -537,12 +545,12 @@ def assert_same(a, b, path: str = "batch") -> None:
     if isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
         for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
+            assert_same(a[k], b[k], f"{path}[{k!r}]", strides)
         return
     if isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: len {len(a)} != {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
+            assert_same(x, y, f"{path}[{i}]", strides)
         return
     if isinstance(a, float):
         assert a == b or (math.isnan(a) and math.isnan(b)), f"{path}: {a!r} != {b!r}"
@@ -551,7 +559,7 @@ def assert_same(a, b, path: str = "batch") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
         return
     if hasattr(a, "__dict__"):
-        assert_same(vars(a), vars(b), f"{path}.__dict__")
+        assert_same(vars(a), vars(b), f"{path}.__dict__", strides)
         return
     assert a == b, f"{path}: {a!r} != {b!r}"
 

@@ -47,6 +47,11 @@ class DataLoader(torch.utils.data.DataLoader):
         return _SlabDataLoaderIter(self)
 
 
+def _check_cuda(status, what: str) -> None:
+    if int(status) != 0:
+        raise RuntimeError(f"fastmm: {what} failed with CUDA error {int(status)} ({status})")
+
+
 def _signal_name(exitcode: int | None) -> str:
     if exitcode is None or exitcode >= 0:
         return f"exit code {exitcode}"
@@ -74,7 +79,17 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         self._worker_pids_set = False
         self._workers_status = [False] * self._num_workers
-        self._ring = SlabRing(keep_free_per_worker=self._prefetch_factor + 1)
+        pin = unpin = None
+        if self._pin_memory and self._pin_memory_device == "cuda":
+            cudart = torch.cuda.cudart()
+
+            def pin(address: int, nbytes: int) -> None:
+                _check_cuda(cudart.cudaHostRegister(address, nbytes, 0), "cudaHostRegister")
+
+            def unpin(address: int) -> None:
+                _check_cuda(cudart.cudaHostUnregister(address), "cudaHostUnregister")
+
+        self._ring = SlabRing(self._prefetch_factor + 1, pin=pin, unpin=unpin)
         self._workers_done_event = context.Event()
         self._index_queues = []
         self._workers = []
@@ -280,7 +295,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         self._try_put_index()
         if isinstance(data, torch._utils.ExceptionWrapper):
             data.reraise()
-        if self._pin_memory:
+        if self._pin_memory:  # a no-op for slab tensors: their slab is already page-locked
             data = torch_utils.pin_memory.pin_memory(data, self._pin_memory_device)
         return data
 

@@ -160,7 +160,7 @@ class SlabWriter:
                 raise _shm_error(exc, capacity, self._config.shm_dir) from None
             raise
         mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        address = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+        address = _address(mm)
         slab_id = self._next_id
         self._next_id += 1
         self._slabs[slab_id] = _OwnedSlab(mm, capacity, address)
@@ -179,8 +179,11 @@ class SlabWriter:
 class SlabRing:
     """Main side: maps every worker's slabs and returns them once no tensor views them."""
 
-    def __init__(self, keep_free_per_worker: int):
+    def __init__(self, keep_free_per_worker: int, pin=None, unpin=None):
+        """``pin(address, nbytes)`` / ``unpin(address)``, if given, page-lock each mapping once
+        for its lifetime (CUDA host registration), so batches need no pinned staging copy."""
         self._keep = keep_free_per_worker
+        self._pin, self._unpin = pin, unpin
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._held: dict[tuple[int, int], bool] = {}
         self._released: collections.deque[tuple[int, int]] = collections.deque()
@@ -197,16 +200,20 @@ class SlabRing:
                     f"got {len(fds)}; raise the open-file limit (ulimit -n)"
                 )
             for (slab_id, capacity), fd in zip(new, fds):
-                self._maps[(worker_id, slab_id)] = mmap.mmap(
-                    fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE
-                )
+                mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                if self._pin is not None:
+                    self._pin(_address(mm), capacity)
+                self._maps[(worker_id, slab_id)] = mm
                 self._held[(worker_id, slab_id)] = False
         finally:
             for fd in fds:
                 os.close(fd)
 
     def lend(self, worker_id: int, slab_ids: list[int]) -> dict[int, memoryview]:
-        """Views of a batch's slabs; each slab comes back when its view is no longer used."""
+        """Views of a batch's slabs; each slab comes back when its view object is freed.
+
+        Consumers must keep the view object itself alive, as ``torch.frombuffer`` does: a slice
+        of it, or ``np.frombuffer``, shares the memory without holding the object."""
         views = {}
         for slab_id in slab_ids:
             key = (worker_id, slab_id)
@@ -220,7 +227,7 @@ class SlabRing:
         # May run in any thread, whenever the last tensor of a batch is freed.
         if self._closed:
             self._held.pop(key, None)
-            self._maps.pop(key, None)
+            self._unmap(key)
         else:
             self._released.append(key)
 
@@ -236,7 +243,7 @@ class SlabRing:
             if free > self._keep:
                 destroy.append(slab_id)
                 del self._held[key]
-                _close_quietly(self._maps.pop(key))
+                self._unmap(key)
             else:
                 release.append(slab_id)
         return out
@@ -253,7 +260,18 @@ class SlabRing:
             self._held[self._released.popleft()] = False
         for key in [k for k, held in self._held.items() if not held]:
             del self._held[key]
-            _close_quietly(self._maps.pop(key))
+            self._unmap(key)
+
+    def _unmap(self, key: tuple[int, int]) -> None:
+        mm = self._maps.pop(key, None)
+        if mm is not None:
+            if self._unpin is not None:
+                self._unpin(_address(mm))
+            _close_quietly(mm)
+
+
+def _address(mm: mmap.mmap) -> int:
+    return np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
 
 
 def _close_quietly(mm: mmap.mmap) -> None:

@@ -1,7 +1,8 @@
 """A deterministic synthetic JPEG corpus, generated once into a cache directory.
 
-The images are photo-like enough for decode cost to be realistic: a smooth two-colour gradient,
-a handful of filled shapes, a slight blur and mild Gaussian noise, saved at JPEG quality 90.
+The images are photo-like enough for decode cost to be realistic: a smooth two-colour gradient
+and a handful of filled shapes drawn at half size and upscaled (soft edges), low-frequency
+shading and mild Gaussian grain, saved at JPEG quality 90.
 Sizes are ImageNet-like (each side drawn from 300..500 px). Image ``i`` depends only on
 ``(seed, i)``, so a corpus of N images is the same on every machine with the same Pillow.
 """
@@ -57,25 +58,45 @@ def _image_size(seed: int, index: int) -> tuple[int, int]:
     return int(width), int(height)
 
 
+_NOISE_SIGMA = 6.0  # fine grain, the main source of JPEG entropy
+_TEXTURE_AMPLITUDE = 18.0  # low-frequency shading across the image
+_noise_tiles: dict[int, np.ndarray] = {}
+
+
+def _noise_tile(seed: int) -> np.ndarray:
+    """A per-corpus tile of fine Gaussian grain (int16), cropped at a random offset per image:
+    much cheaper than drawing fresh noise for every pixel of every image."""
+    tile = _noise_tiles.get(seed)
+    if tile is None:
+        rng = np.random.default_rng([seed, 0x6E6F697365])
+        side = 2 * MAX_SIDE
+        noise = rng.standard_normal((side, side, 3), dtype=np.float32) * _NOISE_SIGMA
+        tile = _noise_tiles[seed] = np.rint(noise).astype(np.int16)
+    return tile
+
+
 def make_image(seed: int, index: int):
     """Image ``index`` of the corpus with ``seed``, as a PIL RGB image."""
-    from PIL import Image, ImageDraw, ImageFilter
+    from PIL import Image, ImageDraw
 
     rng = np.random.default_rng([seed, index])
     width, height = _image_size(seed, index)
+    # Gradient and shapes at half resolution, upscaled bicubically: soft edges, like a photo.
+    hw, hh = (width + 1) // 2, (height + 1) // 2
     c0 = rng.uniform(0, 255, 3).astype(np.float32)
     c1 = rng.uniform(0, 255, 3).astype(np.float32)
     angle = rng.uniform(0, 2 * math.pi)
-    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-    t = xs * math.cos(angle) + ys * math.sin(angle)
+    t = (
+        np.arange(hw, dtype=np.float32)[None, :] * math.cos(angle)
+        + np.arange(hh, dtype=np.float32)[:, None] * math.sin(angle)
+    )
     t -= t.min()
     t /= max(float(t.max()), 1e-6)
-    pixels = c0 + (c1 - c0) * t[..., None]
-    image = Image.fromarray(pixels.astype(np.uint8), "RGB")
-    draw = ImageDraw.Draw(image)
+    small = Image.fromarray((c0 + (c1 - c0) * t[..., None]).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(small)
     for _ in range(int(rng.integers(3, 10))):
-        x0, x1 = sorted(rng.integers(-width // 4, width + width // 4, 2).tolist())
-        y0, y1 = sorted(rng.integers(-height // 4, height + height // 4, 2).tolist())
+        x0, x1 = sorted(rng.integers(-hw // 4, hw + hw // 4, 2).tolist())
+        y0, y1 = sorted(rng.integers(-hh // 4, hh + hh // 4, 2).tolist())
         fill = tuple(int(v) for v in rng.integers(0, 256, 3))
         kind = int(rng.integers(0, 3))
         if kind == 0:
@@ -83,14 +104,20 @@ def make_image(seed: int, index: int):
         elif kind == 1:
             draw.rectangle((x0, y0, x1, y1), fill=fill)
         else:
-            points = [
-                (int(rng.integers(0, width)), int(rng.integers(0, height)))
-                for _ in range(int(rng.integers(3, 7)))
-            ]
-            draw.polygon(points, fill=fill)
-    image = image.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(0.6, 2.0))))
-    noisy = np.asarray(image, dtype=np.float32) + rng.normal(0.0, 4.0, (height, width, 3))
-    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
+            corners = int(rng.integers(3, 7))
+            draw.polygon(
+                [(int(rng.integers(0, hw)), int(rng.integers(0, hh))) for _ in range(corners)],
+                fill=fill,
+            )
+    pixels = np.asarray(small.resize((width, height), Image.BICUBIC), dtype=np.int16)
+    shade = rng.standard_normal((height // 8 + 1, width // 8 + 1), dtype=np.float32)
+    shade = np.asarray(Image.fromarray(shade, "F").resize((width, height), Image.BICUBIC))
+    pixels += np.rint(shade * _TEXTURE_AMPLITUDE).astype(np.int16)[..., None]
+    tile = _noise_tile(seed)
+    oy, ox = (int(v) for v in rng.integers(0, tile.shape[0] - MAX_SIDE, 2))
+    pixels += tile[oy : oy + height, ox : ox + width]
+    np.clip(pixels, 0, 255, out=pixels)
+    return Image.fromarray(pixels.astype(np.uint8), "RGB")
 
 
 def _write_one(job: tuple[str, int, int]) -> int:

@@ -1,0 +1,90 @@
+"""SlabWriter and SlabRing in one process: lending, return, retirement and pinning hooks."""
+
+from __future__ import annotations
+
+import gc
+import socket
+
+import pytest
+import torch
+
+from fastmm.config import TransportConfig
+from fastmm.slabs import SlabRing, SlabWriter
+
+
+@pytest.fixture(params=[False, True], ids=["cpp", "pure"])
+def pair(request):
+    worker_sock, main_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    writer = SlabWriter(worker_sock, TransportConfig(pure_python=request.param))
+    pinned: dict[int, int] = {}
+    ring = SlabRing(
+        keep_free_per_worker=1,
+        pin=lambda address, nbytes: pinned.__setitem__(address, nbytes),
+        unpin=lambda address: pinned.pop(address),
+    )
+    yield writer, ring, main_sock, pinned
+    writer.close()
+    worker_sock.close()
+    main_sock.close()
+
+
+def _write_batch(writer, ring, sock, payload: bytes):
+    writer.begin()
+    slab_id, offset, region = writer.alloc(len(payload))
+    writer.gather(region, 0, [payload], len(payload))
+    used, new = writer.finish()
+    if new:
+        ring.receive(0, sock, new)
+    views = ring.lend(0, used)
+    # The consumer must hold the lent view object itself, as torch.frombuffer does (a memoryview
+    # slice or np.frombuffer shares the buffer without keeping the view object alive).
+    region = torch.frombuffer(views[slab_id], dtype=torch.uint8, count=len(payload), offset=offset)
+    return region.numpy(), slab_id
+
+
+def test_lent_views_see_the_workers_bytes_and_come_back(pair):
+    writer, ring, sock, pinned = pair
+    first, first_id = _write_batch(writer, ring, sock, b"a" * 100_000)
+    assert bytes(first) == b"a" * 100_000
+    assert list(pinned.values()) == [ring.nbytes]  # mapped once, pinned once
+    assert ring.drain() == {}  # still viewed
+    del first
+    gc.collect()
+    assert ring.drain() == {0: ([first_id], [])}  # back to the worker for reuse
+
+
+def test_surplus_free_slabs_are_retired_and_unpinned(pair):
+    writer, ring, sock, pinned = pair
+    views = [_write_batch(writer, ring, sock, bytes([i]) * 70_000) for i in range(3)]
+    ids = [slab_id for _, slab_id in views]
+    assert len(set(ids)) == 3 and len(pinned) == 3  # every batch still held: the ring grew
+    for i, (view, _) in enumerate(views):
+        assert bytes(view) == bytes([i]) * 70_000
+    del views, view
+    gc.collect()
+    release, destroy = ring.drain()[0]
+    assert len(release) == 1 and len(destroy) == 2  # keep one free slab, retire the rest
+    writer.apply(release, destroy)
+    assert len(pinned) == 1
+    again, slab_id = _write_batch(writer, ring, sock, b"z" * 50_000)
+    assert slab_id == release[0]  # reused, not created
+    assert bytes(again) == b"z" * 50_000
+    del again
+    ring.close()
+    assert pinned == {}  # nothing stays page-locked after close
+
+
+def test_close_keeps_held_views_valid_until_they_go(pair):
+    writer, ring, sock, pinned = pair
+    view, _ = _write_batch(writer, ring, sock, b"q" * 20_000)
+    ring.close()
+    assert bytes(view) == b"q" * 20_000
+    assert len(pinned) == 1
+    tail = view[10:]
+    del view
+    gc.collect()
+    assert len(pinned) == 1  # a view of the view still holds the slab
+    assert bytes(tail) == b"q" * 19_990
+    del tail
+    gc.collect()
+    assert pinned == {}
