@@ -89,6 +89,8 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
             def unpin(address: int) -> None:
                 _check_cuda(cudart.cudaHostUnregister(address), "cudaHostUnregister")
 
+        # A worker runs ahead by up to prefetch_factor batches: keeping that many free slabs plus
+        # the one just released means a steady loop never creates or destroys a slab.
         self._ring = SlabRing(self._prefetch_factor + 1, pin=pin, unpin=unpin)
         self._workers_done_event = context.Event()
         self._index_queues = []

@@ -28,7 +28,6 @@ from .config import TransportConfig
 
 _ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
 _GRANULE = 1 << 16  # slab sizes are rounded up to this
-_HEADROOM = 1.125  # a new slab holds this much more than the batch that asked for it
 
 
 class SharedMemoryError(RuntimeError):
@@ -94,7 +93,7 @@ class SlabWriter:
         self._slabs: dict[int, _OwnedSlab] = {}
         self._free: list[int] = []
         self._next_id = 0
-        self._expected = 0  # bytes the previous batch needed: the size a new slab starts from
+        self._expected = 0  # bytes of the largest batch so far: the size a new slab starts from
         self._batch: list[list[int]] = []  # [slab_id, bytes used] for the batch being written
         self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
 
@@ -147,12 +146,15 @@ class SlabWriter:
         return used, [(slab_id, capacity) for slab_id, capacity, _ in created]
 
     def _take(self, nbytes: int) -> int:
-        fitting = [i for i in self._free if self._slabs[i].capacity >= nbytes]
+        # A batch's first region asks for a slab that can hold the largest batch seen so far,
+        # so that one slab usually carries the whole batch.
+        want = nbytes if self._batch else max(nbytes, self._expected)
+        fitting = [i for i in self._free if self._slabs[i].capacity >= want]
         if fitting:
             best = min(fitting, key=lambda i: self._slabs[i].capacity)
             self._free.remove(best)
             return best
-        capacity = _round_up(int(max(nbytes, self._expected) * _HEADROOM), _GRANULE)
+        capacity = _round_up(want, _GRANULE)
         try:
             fd = self._native.create_slab(self._config.shm_dir, capacity)
         except OSError as exc:

@@ -1,0 +1,484 @@
+"""``fastmm-bench``: torch.utils.data.DataLoader and fastmm.DataLoader side by side.
+
+Each case (a workload at one batch size) has arms: the two loaders, plus in-process reference
+arms that bound what a loader can reach on this machine. Every arm runs once untimed (warm-up),
+then ``--reps`` times interleaved (torch, fastmm, references, torch, fastmm, ...), each time with
+a fresh DataLoader; then ``--mem-reps`` more interleaved loader repetitions with the PSS sampler
+on. See ``benchmarks/README.md`` for what is measured and how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.utils.data
+
+from . import env, harness, report, stats
+from .corpus import default_cache_dir, ensure_corpus
+from .workloads import ClipBankDataset, JpegFolderDataset
+
+WORKLOADS = ("transport", "decode")
+RESULTS_FORMAT = 1
+BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
+BUSY_RETRIES = 2  # with --wait-quiet, a busy timed repetition is redone at most this many times
+
+QUICK = {
+    "reps": 2,
+    "mem_reps": 1,
+    "min_seconds": 0.5,
+    "warmup_seconds": 0.25,
+    "num_images": 96,
+    "decode_batch_sizes": "32",
+    "clip_modes": "view",
+}
+FULL = {
+    "reps": 5,
+    "mem_reps": 2,
+    "min_seconds": 3.0,
+    "warmup_seconds": 1.0,
+    "num_images": 2000,
+    "decode_batch_sizes": "32,256",
+    "clip_modes": "view,clone",
+}
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Arm:
+    name: str
+    kind: str  # "loader" (a DataLoader, gets memory repetitions) or "reference" (in-process)
+    run: Callable[[float, bool], dict]  # (min_seconds, sample_pss) -> figures of one repetition
+    description: str
+
+
+@dataclass
+class Case:
+    name: str
+    workload: str
+    batch_size: int
+    num_workers: int
+    description: str
+    arms: list[Arm]
+    details: dict = field(default_factory=dict)
+
+
+def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: int) -> Arm:
+    def make():
+        return loader_class(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+
+    def run(min_seconds: float, sample_pss: bool) -> dict:
+        return harness.run_loader(make, num_workers, min_seconds, sample_pss=sample_pss)
+
+    return Arm(
+        name,
+        "loader",
+        run,
+        f"{loader_class.__module__}.{loader_class.__qualname__}(batch_size={batch_size}, "
+        f"num_workers={num_workers}, shuffle=False; other arguments default)",
+    )
+
+
+def _loader_arms(dataset, batch_size: int, num_workers: int) -> list[Arm]:
+    import fastmm
+
+    return [
+        _loader_arm("torch", torch.utils.data.DataLoader, dataset, batch_size, num_workers),
+        _loader_arm("fastmm", fastmm.DataLoader, dataset, batch_size, num_workers),
+    ]
+
+
+def transport_case(args, clip_mode: str) -> Case:
+    shape = tuple(int(v) for v in args.clip_shape.split(","))
+    dataset = ClipBankDataset(shape, bank_size=args.clip_bank, mode=clip_mode, seed=args.seed)
+    b = args.transport_batch_size
+    arms = _loader_arms(dataset, b, args.num_workers) + [
+        Arm(
+            "single-process",
+            "reference",
+            lambda s, _: harness.run_single_process(dataset, b, s),
+            "getitem x batch + default_collate + CRC-32 of the batch, in the main process, "
+            "torch on 1 thread",
+        ),
+        Arm(
+            "single-reuse",
+            "reference",
+            lambda s, _: harness.run_single_process(dataset, b, s, reuse_batch=True),
+            "as single-process, but stacking into one preallocated batch reused every time: "
+            "the least work any loader must do per batch",
+        ),
+        Arm(
+            "crc-alone",
+            "reference",
+            lambda s, _: harness.run_consume_only(dataset, b, s),
+            "CRC-32 over one batch already in memory, repeatedly (the loop's own cost)",
+        ),
+    ]
+    shape_text = "x".join(str(v) for v in shape)
+    return Case(
+        name=f"transport-{clip_mode}-b{b}",
+        workload="transport",
+        batch_size=b,
+        num_workers=args.num_workers,
+        description=(
+            f"{shape_text} uint8 clips from a bank of {args.clip_bank} (getitem returns a "
+            f"{'fresh clone' if clip_mode == 'clone' else 'view of the bank, no copy'}); loop: "
+            "CRC-32 over every byte of each batch"
+        ),
+        arms=arms,
+        details={
+            "clip_shape": list(shape),
+            "clip_bank": args.clip_bank,
+            "clip_mode": clip_mode,
+            "sample_bytes": dataset.sample_bytes,
+            "batch_bytes": dataset.sample_bytes * b,
+        },
+    )
+
+
+def decode_cases(args, corpus) -> list[Case]:
+    dataset = JpegFolderDataset(corpus.files)
+    cases = []
+    for b in args.decode_batch_sizes:
+        arms = _loader_arms(dataset, b, args.num_workers) + [
+            Arm(
+                "getitem-1-thread",
+                "reference",
+                lambda s, _: harness.run_getitem(dataset, s),
+                "dataset[i] alone, sequentially, in the main process, torch on 1 thread",
+            )
+        ]
+        cases.append(
+            Case(
+                name=f"decode-b{b}",
+                workload="decode",
+                batch_size=b,
+                num_workers=args.num_workers,
+                description=(
+                    f"{corpus.num_images} JPEGs (~{corpus.mean_width:.0f}x{corpus.mean_height:.0f}, "
+                    f"q90): PIL open + convert RGB + v2.RandomResizedCrop(224) + "
+                    "RandomHorizontalFlip + PILToTensor; loop: CRC-32 over each batch"
+                ),
+                arms=arms,
+                details={"corpus": corpus.describe()},
+            )
+        )
+    return cases
+
+
+def _progress(case: Case, label: str, arm: Arm, fig: dict) -> None:
+    rate = fig.get("samples_per_s")
+    parts = [f"[{case.name}] {label:<11} {arm.name:<17}"]
+    parts.append(f"{rate:9.1f} samples/s" if rate else "        - samples/s")
+    if fig.get("bytes_per_s"):
+        parts.append(f"{fig['bytes_per_s'] / 1e9:6.2f} GB/s")
+    parts.append(f"window {fig['window_s']:.2f} s / {fig['batches']} batches")
+    if fig.get("first_batch_s") is not None:
+        parts.append(f"first batch {fig['first_batch_s']:.2f} s")
+    if "peak_total_pss_bytes" in fig:
+        parts.append(f"peak PSS {fig['peak_total_pss_bytes'] / 2**20:.0f} MiB")
+    if fig.get("exhausted"):
+        parts.append("(dataset ran out before the window closed)")
+    _log("  ".join(parts))
+
+
+def run_case(case: Case, args) -> dict:
+    """Warm-up, timed repetitions and memory repetitions of every arm, interleaved."""
+    reps: dict[str, list[dict]] = {arm.name: [] for arm in case.arms}
+    order = 0
+
+    def one(arm: Arm, phase: str, index: int, min_seconds: float, sample_pss: bool, label: str):
+        nonlocal order
+        for attempt in range(1 + (BUSY_RETRIES if args.wait_quiet > 0 and phase == "timed" else 0)):
+            quiet = harness.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
+            if quiet and not quiet["quiet_before_start"]:
+                _log(f"[{case.name}] the machine stayed busy for {args.wait_quiet:.0f} s "
+                     f"(others used {quiet['other_processes_cpu_cores_before_start']:.2f} cores); going on")
+            started = time.time()
+            fig = arm.run(min_seconds, sample_pss)
+            fig = {"phase": phase, "rep": index, "order": order, "started_unix_s": started, **quiet, **fig}
+            order += 1
+            busy = (fig.get("other_processes_cpu_cores") or 0.0) > BUSY_CORES
+            retry = busy and args.wait_quiet > 0 and phase == "timed" and attempt < BUSY_RETRIES
+            if retry:  # kept in the record, left out of the statistics, and run again
+                fig["phase"] = f"{phase}-busy-discarded"
+            reps[arm.name].append(fig)
+            _progress(case, label + (" (busy: redo)" if retry else ""), arm, fig)
+            if not retry:
+                return
+
+    for arm in case.arms:
+        one(arm, "warmup", 0, args.warmup_seconds, False, "warm-up")
+    for r in range(args.reps):
+        for arm in case.arms:
+            one(arm, "timed", r, args.min_seconds, False, f"rep {r + 1}/{args.reps}")
+    for r in range(args.mem_reps):
+        for arm in case.arms:
+            if arm.kind == "loader":
+                one(arm, "memory", r, args.min_seconds, True, f"mem {r + 1}/{args.mem_reps}")
+    return {
+        "name": case.name,
+        "workload": case.workload,
+        "description": case.description,
+        "batch_size": case.batch_size,
+        "num_workers": case.num_workers,
+        "details": case.details,
+        "arms": {
+            arm.name: {"kind": arm.kind, "description": arm.description, "reps": reps[arm.name]}
+            for arm in case.arms
+        },
+        "summary": summarize_case(case, reps, args.cores),
+    }
+
+
+def _timed(reps: list[dict], key: str) -> list:
+    return [r.get(key) for r in reps if r["phase"] == "timed"]
+
+
+def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int) -> dict:
+    arms = {}
+    for name, figs in reps.items():
+        timed = [r for r in figs if r["phase"] == "timed"]
+        memory = [r for r in figs if r["phase"] == "memory"]
+        cpu_per_sample = [
+            r["tree_cpu_s"] / r["samples"] * 1e3
+            for r in timed
+            if r.get("tree_cpu_s") is not None and r["samples"]
+        ]
+        foreign = [r["other_processes_cpu_cores"] for r in timed]
+        arms[name] = {
+            "samples_per_s": stats.summarize(_timed(figs, "samples_per_s")),
+            "bytes_per_s": stats.summarize(_timed(figs, "bytes_per_s")),
+            "first_batch_s": stats.summarize(_timed(figs, "first_batch_s")),
+            "teardown_s": stats.summarize(_timed(figs, "teardown_s")),
+            "window_s": stats.summarize(_timed(figs, "window_s")),
+            "cpu_ms_per_sample": stats.summarize(cpu_per_sample),
+            "other_processes_cpu_cores": stats.summarize(foreign),
+            "peak_total_pss_bytes": stats.summarize([r.get("peak_total_pss_bytes") for r in memory]),
+            "peak_pss_over_baseline_bytes": stats.summarize(
+                [r["peak_total_pss_bytes"] - r["baseline_pss_bytes"] for r in memory]
+            ),
+            "samples_per_s_with_pss_sampler": stats.summarize([r.get("samples_per_s") for r in memory]),
+        }
+    torch_rates = _timed(reps["torch"], "samples_per_s")
+    fastmm_rates = _timed(reps["fastmm"], "samples_per_s")
+    t_med = arms["torch"]["samples_per_s"]["median"]
+    f_med = arms["fastmm"]["samples_per_s"]["median"]
+    summary = {
+        "arms": arms,
+        "ratio_fastmm_over_torch": f_med / t_med if t_med else None,
+        "paired_ratios_fastmm_over_torch": stats.summarize(stats.paired_ratios(fastmm_rates, torch_rates)),
+    }
+    first_batches = [r.get("first_batch_crc32") for name in ("torch", "fastmm") for r in reps[name]]
+    if case.workload == "transport":
+        # Deterministic data: the first batch of every loader repetition must be the same bytes.
+        summary["first_batch_identical"] = len(set(first_batches)) == 1
+        crc = arms["crc-alone"]["samples_per_s"]["median"]
+        single = arms["single-process"]["samples_per_s"]["median"]
+        reuse = arms["single-reuse"]["samples_per_s"]["median"]
+        bound = min(crc, cores * reuse)
+        summary["ceiling"] = {
+            "crc_alone_samples_per_s": crc,
+            "single_process_samples_per_s": single,
+            "single_reuse_samples_per_s": reuse,
+            "cores": cores,
+            "cores_x_single_process_samples_per_s": cores * single,
+            "cores_x_single_reuse_samples_per_s": cores * reuse,
+            "bound_samples_per_s": bound,
+            "torch_fraction_of_bound": t_med / bound,
+            "fastmm_fraction_of_bound": f_med / bound,
+        }
+        summary["target"] = {
+            "description": "fastmm >= 3x torch samples/s",
+            "ratio": 3.0,
+            "met": summary["ratio_fastmm_over_torch"] >= 3.0,
+        }
+    else:
+        getitem = _timed(reps["getitem-1-thread"], "samples_per_s")
+        limit = cores * arms["getitem-1-thread"]["samples_per_s"]["median"]
+        summary["decode_limit"] = {
+            "cores": cores,
+            "getitem_1_thread_samples_per_s": arms["getitem-1-thread"]["samples_per_s"]["median"],
+            "limit_samples_per_s": limit,
+            "torch_fraction_of_limit": t_med / limit,
+            "fastmm_fraction_of_limit": f_med / limit,
+            "torch_fraction_of_limit_per_rep": stats.summarize(
+                [t / (cores * g) for t, g in zip(torch_rates, getitem) if t and g]
+            ),
+            "fastmm_fraction_of_limit_per_rep": stats.summarize(
+                [f / (cores * g) for f, g in zip(fastmm_rates, getitem) if f and g]
+            ),
+        }
+        aim = 1.1 if case.batch_size >= 256 else 1.0
+        summary["target"] = {
+            "description": "fastmm never slower than torch"
+            + ("; aim >= 1.1x at batch 256" if aim > 1.0 else ""),
+            "ratio": aim,
+            "met": summary["ratio_fastmm_over_torch"] >= aim,
+        }
+    foreign = [
+        a["other_processes_cpu_cores"]["max"] for a in arms.values() if a["other_processes_cpu_cores"]
+    ]
+    summary["other_processes_cpu_cores_max"] = max(foreign) if foreign else None
+    summary["busy_timed_reps"] = sum(
+        1
+        for figs in reps.values()
+        for r in figs
+        if r["phase"] == "timed" and (r["other_processes_cpu_cores"] or 0.0) > BUSY_CORES
+    )
+    summary["timed_reps"] = sum(1 for figs in reps.values() for r in figs if r["phase"] == "timed")
+    summary["discarded_busy_reps"] = sum(
+        1 for figs in reps.values() for r in figs if r["phase"].endswith("-busy-discarded")
+    )
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastmm-bench",
+        description=(
+            "Benchmark torch.utils.data.DataLoader and fastmm.DataLoader side by side: same "
+            "dataset, batch size and workers, interleaved repetitions, medians and spread."
+        ),
+    )
+    parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: " + ", ".join(f"{k.replace('_', '-')}={v}" for k, v in QUICK.items()))
+    parser.add_argument("--workloads", default="transport,decode",
+                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--reps", type=int, help=f"timed repetitions per arm (default {FULL['reps']})")
+    parser.add_argument("--mem-reps", type=int,
+                        help=f"repetitions per loader with the PSS sampler on (default {FULL['mem_reps']})")
+    parser.add_argument("--min-seconds", type=float,
+                        help=f"shortest throughput window of a repetition (default {FULL['min_seconds']})")
+    parser.add_argument("--warmup-seconds", type=float,
+                        help=f"window of the untimed warm-up repetition (default {FULL['warmup_seconds']})")
+    parser.add_argument("--num-workers", type=int, default=2, help="loader workers (default 2)")
+    parser.add_argument("--transport-batch-size", type=int, default=32, help="(default 32)")
+    parser.add_argument("--clip-shape", default="16,3,224,224",
+                        help="transport sample shape, uint8 (default 16,3,224,224)")
+    parser.add_argument("--clip-bank", type=int, default=8, help="distinct clips preallocated (default 8)")
+    parser.add_argument("--clip-modes",
+                        help="transport cases to run, comma-separated: 'view' (getitem returns the "
+                        "bank's tensor: the batch copy is the only copy, so transport dominates) "
+                        "and/or 'clone' (a fresh copy per sample, as a decoder would hand out) "
+                        f"(default {FULL['clip_modes']})"),
+    parser.add_argument("--decode-batch-sizes",
+                        help=f"comma-separated (default {FULL['decode_batch_sizes']})")
+    parser.add_argument("--num-images", type=int,
+                        help=f"JPEGs in the decode corpus (default {FULL['num_images']})")
+    parser.add_argument("--cache-dir", default=None,
+                        help=f"where the JPEG corpus is generated and reused (default {default_cache_dir()})")
+    parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="before each repetition, wait up to SECONDS until other processes use "
+                        f"< {BUSY_CORES} cores, and redo (up to {BUSY_RETRIES} times) a timed repetition "
+                        "during which they used more; the busy one stays in the JSON with phase "
+                        "'<phase>-busy-discarded' (default 0: neither wait nor redo)")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown or not args.workloads:
+        parser.error(f"--workloads: unknown {unknown}; choose from {','.join(WORKLOADS)}")
+    try:
+        args.decode_batch_sizes = [int(v) for v in str(args.decode_batch_sizes).split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--decode-batch-sizes must be integers, got {args.decode_batch_sizes!r}")
+    for name in ("reps", "num_workers", "transport_batch_size", "clip_bank", "num_images"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.mem_reps < 0 or args.min_seconds <= 0 or args.warmup_seconds <= 0 or args.wait_quiet < 0:
+        parser.error("--mem-reps and --wait-quiet must be >= 0, --min-seconds and --warmup-seconds > 0")
+    if not args.decode_batch_sizes or min(args.decode_batch_sizes) < 1:
+        parser.error("--decode-batch-sizes needs positive integers")
+    try:
+        shape = [int(v) for v in args.clip_shape.split(",")]
+    except ValueError:
+        shape = []
+    if not shape or min(shape) < 1:
+        parser.error(f"--clip-shape must be positive integers separated by commas, got {args.clip_shape!r}")
+    args.clip_modes = [m.strip() for m in str(args.clip_modes).split(",") if m.strip()]
+    if not args.clip_modes or set(args.clip_modes) - {"view", "clone"}:
+        parser.error(f"--clip-modes: choose from view,clone; got {args.clip_modes}")
+    args.cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.cores = env.usable_cores()
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    environment = env.capture([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    _log(
+        f"fastmm-bench: {environment['cpu_count_usable']} cores, load {os.getloadavg()[0]:.2f}, "
+        f"fastmm C++ path: {environment['fastmm_uses_cpp']}, git {environment['git']['commit']}"
+    )
+    cases = []
+    if "transport" in args.workloads:
+        cases.extend(transport_case(args, mode) for mode in args.clip_modes)
+    if "decode" in args.workloads:
+        corpus = ensure_corpus(args.cache_dir, args.num_images, seed=args.seed, log=_log)
+        cases.extend(decode_cases(args, corpus))
+    results = {
+        "format": RESULTS_FORMAT,
+        "environment": environment,
+        "settings": {
+            "quick": args.quick,
+            "workloads": args.workloads,
+            "reps": args.reps,
+            "mem_reps": args.mem_reps,
+            "min_seconds": args.min_seconds,
+            "warmup_seconds": args.warmup_seconds,
+            "num_workers": args.num_workers,
+            "transport_batch_size": args.transport_batch_size,
+            "decode_batch_sizes": args.decode_batch_sizes,
+            "clip_shape": [int(v) for v in args.clip_shape.split(",")],
+            "clip_bank": args.clip_bank,
+            "clip_modes": args.clip_modes,
+            "num_images": args.num_images,
+            "cache_dir": str(args.cache_dir),
+            "seed": args.seed,
+            "pss_interval_s": harness.PSS_INTERVAL_S,
+            "wait_quiet_s": args.wait_quiet,
+            "busy_threshold_cores": BUSY_CORES,
+            "cores_for_limits": args.cores,
+        },
+        "method": report.METHOD,
+        "cases": [],
+    }
+    for case in cases:
+        results["cases"].append(run_case(case, args))
+    results["environment"]["loadavg_at_end"] = list(os.getloadavg())
+    results["total_s"] = time.perf_counter() - started
+    json_path = out / "results.json"
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    md_path = out / "summary.md"
+    md_path.write_text(report.markdown(results))
+    print(report.text(results))
+    _log(f"wrote {json_path} and {md_path} ({results['total_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,349 @@
+"""One repetition of one arm: build a fresh loader, time the first batch, then time a
+steady-state window; optionally sample the PSS of the whole process tree meanwhile.
+
+Timing rules (the same for every arm, so the arms compare like for like):
+
+* ``first_batch_s`` runs from just before the DataLoader is constructed to the moment its first
+  batch has been consumed, so worker start-up is in it.
+* The throughput window opens once the first ``num_workers`` batches (the first batch of every
+  worker) have been consumed, and closes at the first batch boundary after ``min_seconds`` where
+  the number of batches in the window is a multiple of ``num_workers``. Only batches inside the
+  window count. Workers run in lockstep rounds, so whole rounds on both ends keep a short window
+  from being biased by the start-up round or a half-finished last round.
+* Teardown (dropping the iterator and joining its workers) is timed separately.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+from torch.utils.data import default_collate
+
+from .workloads import batch_nbytes, consume
+
+PSS_INTERVAL_S = 0.05
+
+
+def _tree() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def tree_cpu_s() -> float:
+    """User + system CPU seconds used so far by this process and its live descendants."""
+    total = 0.0
+    for proc in _tree():
+        try:
+            times = proc.cpu_times()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        total += times.user + times.system
+    return total
+
+
+def system_busy_s() -> float:
+    """CPU seconds all processes on the machine have used (all cores together)."""
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+
+
+class _CpuMeter:
+    def __init__(self) -> None:
+        self.tree0 = tree_cpu_s()
+        self.system0 = system_busy_s()
+
+    def stop(self) -> dict:
+        return {"tree_cpu_s": tree_cpu_s() - self.tree0, "system_busy_s": system_busy_s() - self.system0}
+
+
+class PssSampler(threading.Thread):
+    """Samples PSS (``memory_full_info().pss``) of this process and all its descendants every
+    ``interval`` seconds and keeps the peak of their sum.
+
+    A sweep is not free: the kernel walks every page table to compute PSS, tens of ms for a
+    process with torch loaded. That is why the harness samples in dedicated memory repetitions
+    and keeps it out of the timed ones; ``cpu_s`` records what the sampling itself cost.
+    """
+
+    def __init__(self, interval: float = PSS_INTERVAL_S):
+        super().__init__(name="fastmm-bench-pss", daemon=True)
+        self.interval = interval
+        self._stop_event = threading.Event()
+        self._procs: dict[int, psutil.Process] = {}
+        self.main_pid = os.getpid()
+        self.peak_total = 0
+        self.peak_main = 0
+        self.peak_workers = 0
+        self.sweeps = 0
+        self.sweep_s = 0.0
+        self.cpu_s = 0.0
+        self.pids_seen: set[int] = set()
+
+    def _process(self, pid: int) -> psutil.Process:
+        proc = self._procs.get(pid)
+        if proc is None:
+            proc = self._procs[pid] = psutil.Process(pid)
+        return proc
+
+    def sweep(self) -> tuple[int, int]:
+        """(main PSS, sum of descendants' PSS) now, in bytes."""
+        me = self._process(self.main_pid)
+        main = me.memory_full_info().pss
+        others = 0
+        try:
+            children = me.children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for child in children:
+            try:
+                others += self._process(child.pid).memory_full_info().pss
+                self.pids_seen.add(child.pid)
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                self._procs.pop(child.pid, None)
+        return main, others
+
+    def _record(self, main: int, others: int) -> None:
+        if main + others > self.peak_total:
+            self.peak_total, self.peak_main, self.peak_workers = main + others, main, others
+
+    def run(self) -> None:
+        cpu0 = time.thread_time()
+        while not self._stop_event.is_set():
+            start = time.perf_counter()
+            self._record(*self.sweep())
+            took = time.perf_counter() - start
+            self.sweeps += 1
+            self.sweep_s += took
+            self._stop_event.wait(max(0.0, self.interval - took))
+        self.cpu_s = time.thread_time() - cpu0
+
+    def stop(self) -> dict:
+        self._stop_event.set()
+        self.join()
+        self._record(*self.sweep())  # a last look, so a very short run still has a figure
+        return {
+            "peak_total_pss_bytes": self.peak_total,
+            "main_pss_bytes_at_peak": self.peak_main,
+            "workers_pss_bytes_at_peak": self.peak_workers,
+            "pss_sweeps": self.sweeps,
+            "pss_sweep_mean_s": self.sweep_s / max(1, self.sweeps),
+            "pss_sampler_cpu_s": self.cpu_s,
+            "pss_processes_seen": 1 + len(self.pids_seen),
+        }
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, probe_s: float = 0.5) -> dict:
+    """Wait (up to ``max_wait_s``) until processes other than this benchmark use less than
+    ``threshold_cores`` of CPU over a ``probe_s`` probe, so a repetition does not start while
+    something else (a test suite, a build) is running on a small machine."""
+    waited = 0.0
+    while True:
+        meter = _CpuMeter()
+        time.sleep(probe_s)
+        cpu = meter.stop()
+        others = max(0.0, cpu["system_busy_s"] - cpu["tree_cpu_s"]) / probe_s
+        waited += probe_s
+        if others < threshold_cores or waited >= max_wait_s:
+            return {"quiet_wait_s": waited, "quiet_before_start": others < threshold_cores,
+                    "other_processes_cpu_cores_before_start": others}
+
+
+def _wait_for_children(timeout: float = 10.0) -> int:
+    """Wait until this process has no live descendants (the last loader's workers); return how
+    many were still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return len(alive)
+        time.sleep(0.01)
+
+
+@dataclass
+class _Window:
+    """Counts batches and times the steady-state window (see the module docstring)."""
+
+    warm_batches: int
+    round_size: int
+    min_seconds: float
+    t0: float = field(default_factory=time.perf_counter)
+    batches_seen: int = 0
+    first_batch_s: float | None = None
+    start: float | None = None
+    end: float | None = None
+    batches: int = 0
+    samples: int = 0
+    nbytes: int = 0
+    cpu: _CpuMeter | None = None
+
+    def add(self, samples: int, nbytes: int) -> bool:
+        """Account one consumed batch; True when the window is complete."""
+        now = time.perf_counter()
+        self.batches_seen += 1
+        if self.batches_seen == 1:
+            self.first_batch_s = now - self.t0
+        if self.batches_seen == self.warm_batches:
+            self.cpu = _CpuMeter()
+            self.start = time.perf_counter()
+            return False
+        if self.start is None:
+            return False
+        self.batches += 1
+        self.samples += samples
+        self.nbytes += nbytes
+        if now - self.start >= self.min_seconds and self.batches % self.round_size == 0:
+            self.end = now
+            return True
+        return False
+
+    def result(self) -> dict:
+        exhausted = self.end is None
+        end = self.end if self.end is not None else time.perf_counter()
+        window = (end - self.start) if self.start is not None else 0.0
+        cpu = self.cpu.stop() if self.cpu is not None else {"tree_cpu_s": None, "system_busy_s": None}
+        others = None
+        if cpu["tree_cpu_s"] is not None and window > 0:
+            others = max(0.0, cpu["system_busy_s"] - cpu["tree_cpu_s"]) / window
+        return {
+            "first_batch_s": self.first_batch_s,
+            "warm_batches": self.warm_batches,
+            "batches": self.batches,
+            "samples": self.samples,
+            "bytes": self.nbytes,
+            "window_s": window,
+            "samples_per_s": self.samples / window if window > 0 else None,
+            "bytes_per_s": self.nbytes / window if window > 0 else None,
+            "exhausted": exhausted,
+            **cpu,
+            "other_processes_cpu_cores": others,
+        }
+
+
+def run_loader(make_loader, num_workers: int, min_seconds: float, sample_pss: bool = False) -> dict:
+    """One repetition of a multi-process loader arm (torch or fastmm): fresh loader, every
+    batch consumed by :func:`consume`."""
+    gc.collect()
+    leftover = _wait_for_children()
+    sampler = None
+    baseline = None
+    if sample_pss:
+        sampler = PssSampler()
+        baseline = sum(sampler.sweep())
+    load1 = os.getloadavg()[0]
+    rounds = max(1, num_workers)
+    window = _Window(warm_batches=rounds, round_size=rounds, min_seconds=min_seconds)
+    loader = make_loader()
+    iterator = iter(loader)  # forks the workers: start the sampler thread only afterwards
+    if sampler is not None:
+        sampler.start()
+    first_crc = None
+    for batch in iterator:
+        crc = consume(batch)
+        if first_crc is None:
+            first_crc = crc
+        done = window.add(len(batch), batch_nbytes(batch))
+        del batch
+        if done:
+            break
+    result = window.result()
+    memory = sampler.stop() if sampler is not None else {}
+    start = time.perf_counter()
+    del iterator, loader
+    gc.collect()
+    still_alive = _wait_for_children()
+    result.update(
+        teardown_s=time.perf_counter() - start,
+        workers_alive_after_teardown=still_alive,
+        workers_alive_before_start=leftover,
+        loadavg_1m_at_start=load1,
+        first_batch_crc32=first_crc,
+        **memory,
+    )
+    if baseline is not None:
+        result["baseline_pss_bytes"] = baseline
+    return result
+
+
+class _OneThread:
+    """torch intra-op threads pinned to 1 for an in-process arm (the loaders' workers also
+    run with one thread each), restored afterwards."""
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+
+
+def run_single_process(dataset, batch_size: int, min_seconds: float, reuse_batch: bool = False) -> dict:
+    """Everything a loader does for a batch (``__getitem__`` x batch_size, ``default_collate``)
+    plus :func:`consume`, in this process on one thread: the rate one core reaches alone.
+
+    With ``reuse_batch`` the samples are stacked into one preallocated batch tensor reused for
+    every batch instead: the least work any loader must do (make the samples, copy them into
+    a batch, read it), with no fresh memory to fault in and no transport."""
+    gc.collect()
+    load1 = os.getloadavg()[0]
+    window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
+    index = 0
+    first_crc = None
+    out = None
+    with _OneThread():
+        while True:
+            samples = [dataset[i] for i in range(index, index + batch_size)]
+            if reuse_batch:
+                if out is None:
+                    out = torch.empty((batch_size, *samples[0].shape), dtype=samples[0].dtype)
+                batch = torch.stack(samples, 0, out=out)
+            else:
+                batch = default_collate(samples)
+            del samples
+            index += batch_size
+            crc = consume(batch)
+            if first_crc is None:
+                first_crc = crc
+            done = window.add(len(batch), batch_nbytes(batch))
+            del batch
+            if done:
+                break
+    return {**window.result(), "loadavg_1m_at_start": load1, "first_batch_crc32": first_crc}
+
+
+def run_consume_only(dataset, batch_size: int, min_seconds: float) -> dict:
+    """:func:`consume` alone over one batch already in memory: the rate the training loop's own
+    reading allows, the ceiling for any loader."""
+    gc.collect()
+    load1 = os.getloadavg()[0]
+    batch = default_collate([dataset[i] for i in range(batch_size)])
+    window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
+    while not window.add(len(batch), batch_nbytes(batch)):
+        consume(batch)
+    result = window.result()
+    result["first_batch_s"] = None  # nothing is loaded
+    return {**result, "loadavg_1m_at_start": load1}
+
+
+def run_getitem(dataset, min_seconds: float, start_index: int = 0) -> dict:
+    """``dataset[i]`` alone, sequentially, on one thread: the per-core rate of the sample work.
+    Reported per sample (a "batch" here is one sample)."""
+    gc.collect()
+    load1 = os.getloadavg()[0]
+    window = _Window(warm_batches=4, round_size=1, min_seconds=min_seconds)
+    index = start_index
+    with _OneThread():
+        while True:
+            sample = dataset[index]
+            index += 1
+            if window.add(1, batch_nbytes(sample)):
+                break
+    result = window.result()
+    result["first_batch_s"] = None
+    return {**result, "loadavg_1m_at_start": load1}

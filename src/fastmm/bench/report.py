@@ -1,0 +1,182 @@
+"""Readable tables of a results dict: plain text for the terminal, Markdown for the record."""
+
+from __future__ import annotations
+
+METHOD = {
+    "interleaving": "per case: one untimed warm-up repetition of every arm, then --reps rounds "
+    "of (torch, fastmm, reference arms) back to back, then --mem-reps rounds of (torch, fastmm) "
+    "with the PSS sampler on",
+    "fresh_loader_per_rep": True,
+    "first_batch_s": "from just before DataLoader(...) is constructed until its first batch has "
+    "been consumed (worker start-up included)",
+    "throughput_window": "opens after the first num_workers batches (one per worker) have been "
+    "consumed; closes at the first batch boundary after --min-seconds where the window holds a "
+    "whole number of rounds (a multiple of num_workers batches); only batches inside it count",
+    "consumer": "zlib.crc32 over every byte of each batch (its numpy view)",
+    "pss": "psutil memory_full_info().pss of the main process + all descendants, summed, every "
+    "50 ms (or back to back when a sweep takes longer) from a thread started right after "
+    "iter(loader); peak over the repetition; '+over idle' subtracts the main process's PSS just "
+    "before the loader was built. Only in memory repetitions: one sweep costs tens of ms of CPU "
+    "per process, which would perturb timed runs",
+    "cpu_ms_per_sample": "user+system CPU of the main process and its workers during the window, "
+    "per sample",
+    "other_processes_cpu_cores": "machine-wide busy CPU minus this benchmark's own, during the "
+    "window, in cores (a busy machine shows up here)",
+    "statistics": "median over timed repetitions, min..max, percentile-bootstrap 95% CI of the "
+    "median; ratio = median(fastmm) / median(torch), paired ratios = rep i / rep i",
+    "decode_limit": "L = usable cores x single-thread rate of the same __getitem__ measured in "
+    "the same run",
+    "transport_bound": "min(CRC-alone rate, cores x single-reuse rate): the main loop must read "
+    "every byte on one core, and all the work (make samples, copy into a batch, read it) shares "
+    "the cores; an estimate, not a proof (memory bandwidth is shared too)",
+}
+
+
+def _rate(s: dict | None, scale: float = 1.0, digits: int = 0) -> str:
+    if not s:
+        return "-"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s['median'] * scale)} [{f.format(s['min'] * scale)}-{f.format(s['max'] * scale)}]"
+
+
+def _one(s: dict | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if not s else f"{s['median'] * scale:.{digits}f}"
+
+
+def _rows(case: dict) -> list[list[str]]:
+    arms = case["summary"]["arms"]
+    torch_rate = arms["torch"]["samples_per_s"]["median"]
+    rows = []
+    for name, a in arms.items():
+        rate = a["samples_per_s"]
+        rows.append(
+            [
+                name,
+                _rate(rate, digits=0 if rate and rate["median"] >= 100 else 1),
+                _one(a["bytes_per_s"], 1e-9),
+                f"{rate['median'] / torch_rate:.2f}x" if rate and torch_rate else "-",
+                _rate(a["first_batch_s"], digits=2),
+                _pss(a),
+                _one(a["cpu_ms_per_sample"], 1.0, 2),
+            ]
+        )
+    return rows
+
+
+def _pss(arm: dict) -> str:
+    peak, added = arm["peak_total_pss_bytes"], arm["peak_pss_over_baseline_bytes"]
+    if not peak:
+        return "-"
+    return f"{peak['median'] / 2**20:.0f} (+{added['median'] / 2**20:.0f})"
+
+
+HEADER = ["arm", "samples/s median [min-max]", "GB/s", "vs torch", "first batch s",
+          "peak PSS MiB (+over idle)", "CPU ms/sample"]
+
+
+def _notes(case: dict) -> list[str]:
+    s = case["summary"]
+    notes = []
+    pr = s["paired_ratios_fastmm_over_torch"]
+    target = s["target"]
+    notes.append(
+        f"fastmm/torch = {s['ratio_fastmm_over_torch']:.2f}x (paired per repetition "
+        f"{pr['min']:.2f}-{pr['max']:.2f}); target {target['description']}: "
+        f"{'met' if target['met'] else 'NOT met'}"
+    )
+    if "ceiling" in s:
+        c = s["ceiling"]
+        notes.append(
+            f"ceiling: CRC alone {c['crc_alone_samples_per_s']:.0f}/s; single process "
+            f"{c['single_process_samples_per_s']:.0f}/s ({c['cores']} cores x = "
+            f"{c['cores_x_single_process_samples_per_s']:.0f}/s); single-reuse "
+            f"{c['single_reuse_samples_per_s']:.0f}/s ({c['cores']} cores x = "
+            f"{c['cores_x_single_reuse_samples_per_s']:.0f}/s); estimated bound "
+            f"min(CRC alone, cores x single-reuse) = {c['bound_samples_per_s']:.0f}/s: "
+            f"torch at {c['torch_fraction_of_bound']:.0%}, fastmm at {c['fastmm_fraction_of_bound']:.0%}"
+        )
+        if not s.get("first_batch_identical", True):
+            notes.append("WARNING: the loaders' first batches differ (CRC-32 mismatch)")
+    if "decode_limit" in s:
+        d = s["decode_limit"]
+        notes.append(
+            f"decode limit L = {d['cores']} x {d['getitem_1_thread_samples_per_s']:.0f}/s = "
+            f"{d['limit_samples_per_s']:.0f}/s: torch at {d['torch_fraction_of_limit']:.0%} of L, "
+            f"fastmm at {d['fastmm_fraction_of_limit']:.0%}"
+        )
+    other = s.get("other_processes_cpu_cores_max")
+    if other is not None:
+        busy = s.get("busy_timed_reps", 0)
+        text = f"other processes used at most {other:.2f} cores during a timed window"
+        if s.get("discarded_busy_reps"):
+            text += f"; {s['discarded_busy_reps']} busy repetition(s) redone"
+        if busy:
+            text += f"; {busy} of {s['timed_reps']} timed repetitions ran on a busy machine: treat with care"
+        notes.append(text)
+    return notes
+
+
+def _table(rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(HEADER), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def _case_title(case: dict) -> str:
+    return (
+        f"{case['name']}: batch {case['batch_size']}, {case['num_workers']} workers; "
+        f"{case['description']}"
+    )
+
+
+def text(results: dict) -> str:
+    env = results["environment"]
+    st = results["settings"]
+    out = [
+        "",
+        f"fastmm-bench  {env['timestamp_utc']}  {env['cpu_model']} x{env['cpu_count_usable']}  "
+        f"torch {env['versions']['torch']}  C++ path: {env['fastmm_uses_cpp']}",
+        f"{st['reps']} timed reps per arm (>= {st['min_seconds']} s each) after 1 warm-up, "
+        f"{st['mem_reps']} memory rep(s) per loader",
+    ]
+    for case in results["cases"]:
+        out += ["", _case_title(case), _table(_rows(case), markdown=False)]
+        out += ["  " + n for n in _notes(case)]
+    return "\n".join(out) + "\n"
+
+
+def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoader") -> str:
+    env = results["environment"]
+    st = results["settings"]
+    git = env["git"]
+    commit = git["commit"] or "unknown"
+    dirty = " (with uncommitted changes)" if git.get("dirty") else ""
+    out = [
+        f"# {title}",
+        "",
+        f"Command: `{env['command']}`  ",
+        f"Commit: `{commit}`{dirty}  ",
+        f"Date: {env['timestamp_utc']}; total {results.get('total_s', 0):.0f} s",
+        "",
+        f"Environment: {env['cpu_model']}, {env['cpu_count_usable']} usable cores, "
+        f"{env['ram_total_bytes'] / 2**30:.1f} GiB RAM, /dev/shm "
+        f"{(env['dev_shm']['total_bytes'] or 0) / 2**30:.1f} GiB; Python {env['python']}, "
+        f"torch {env['versions']['torch']}, torchvision {env['versions']['torchvision']}, numpy "
+        f"{env['versions']['numpy']}, Pillow {env['versions']['pillow']}; fastmm C++ path: "
+        f"{env['fastmm_uses_cpp']}; load average at start {env['loadavg_at_start'][0]:.2f}, at end "
+        f"{env.get('loadavg_at_end', [float('nan')])[0]:.2f}.",
+        "",
+        f"Method: {st['reps']} timed repetitions per arm (window >= {st['min_seconds']} s, opened "
+        "after the first batch of every worker), interleaved torch, fastmm, references, after one "
+        f"untimed warm-up; fresh DataLoader per repetition; {st['mem_reps']} extra repetition(s) "
+        "per loader with the 50 ms PSS sampler on (peak PSS comes from those). Figures are "
+        "medians with [min-max]; the JSON has every repetition.",
+    ]
+    for case in results["cases"]:
+        out += ["", f"## {case['name']}", "", _case_title(case), "", _table(_rows(case), markdown=True), ""]
+        out += [f"- {n}" for n in _notes(case)]
+    return "\n".join(out) + "\n"
