@@ -278,7 +278,7 @@ class WorkerInfoDataset(Dataset):
         frozen = False
         try:
             info.id = 99
-        except RuntimeError:
+        except (AttributeError, RuntimeError):  # torch's WorkerInfo is read-only
             frozen = True
         return {
             "i": int(i),
@@ -292,6 +292,7 @@ class WorkerInfoDataset(Dataset):
             "torch_initial_seed": torch.initial_seed(),
             "np_state_head": [int(x) for x in np.random.get_state()[1][:8]],
             "init_state": getattr(self, "init_state", None),
+            "num_threads": torch.get_num_threads(),
             "pid": os.getpid(),
         }
 
@@ -304,6 +305,7 @@ def record_init_state(worker_id: int) -> None:
         "info_id": info.id,
         "seed": info.seed,
         "torch_initial_seed": torch.initial_seed(),
+        "np_state_head": [int(x) for x in np.random.get_state()[1][:8]],
         "random_first": random.random(),
         "np_first": float(np.random.rand()),
     }
@@ -370,6 +372,38 @@ class SuicideDataset(Dataset):
         return torch.tensor([int(i)])
 
 
+class ExitingDataset(Dataset):
+    """The worker that fetches index ``victim`` dies with exit code 3.
+
+    With ``close_pipes_first`` it first closes every multiprocessing pipe it holds and lingers
+    a second: a deterministic version of what any dying process does (the kernel closes its
+    descriptors, so the parent can see EOF on a pipe before the child is reaped)."""
+
+    def __init__(self, n: int, victim: int, close_pipes_first: bool = False):
+        self.n = n
+        self.victim = victim
+        self.close_pipes_first = close_pipes_first
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if int(i) == self.victim:
+            if self.close_pipes_first:
+                import gc
+                import multiprocessing.connection
+
+                for obj in gc.get_objects():
+                    if isinstance(obj, multiprocessing.connection.Connection) and not obj.closed:
+                        try:
+                            obj.close()
+                        except OSError:
+                            pass
+                time.sleep(1.0)
+            os._exit(3)
+        return torch.tensor([int(i)])
+
+
 class FullDataset(Dataset):
     """Sample i is a float32 tensor of ``shape`` filled with i (easy to verify later)."""
 
@@ -394,6 +428,29 @@ class PidDataset(Dataset):
 
     def __getitem__(self, i):
         return {"i": int(i), "pid": os.getpid()}
+
+
+class TvTensorDataset(Dataset):
+    """torchvision tv_tensors (Tensor subclasses with metadata), as modern pipelines return."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        from torchvision import tv_tensors
+
+        i = int(i)
+        return {
+            "image": tv_tensors.Image(torch.full((3, 48, 48), i, dtype=torch.uint8)),
+            "boxes": tv_tensors.BoundingBoxes(
+                torch.tensor([[i, i, i + 5, i + 7]]), format="XYXY", canvas_size=(48, 48)
+            ),
+            "mask": tv_tensors.Mask(torch.arange(48 * 48).reshape(48, 48) % (i + 2) == 0),
+            "label": i % 4,
+        }
 
 
 class ParamDataset(Dataset):
@@ -444,6 +501,22 @@ class EveryOtherSampler(Sampler):
 
     def __len__(self):
         return (self.n + 1) // 2
+
+
+class SizesBatchSampler(Sampler):
+    """Consecutive batches of the given sizes (slabs must grow, shrink and be reused)."""
+
+    def __init__(self, sizes):
+        self.sizes = list(sizes)
+
+    def __iter__(self):
+        pos = 0
+        for size in self.sizes:
+            yield list(range(pos, pos + size))
+            pos += size
+
+    def __len__(self):
+        return len(self.sizes)
 
 
 class VariableBatchSampler(Sampler):
@@ -522,6 +595,8 @@ def assert_same(a, b, path: str = "batch", strides: bool = False) -> None:
     the tensors' strides (memory layout)."""
     assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
+        if type(a) is not torch.Tensor and hasattr(a, "__dict__"):  # subclass metadata
+            assert_same(vars(a), vars(b), f"{path}.__dict__", strides)
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
         assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
         assert a.layout == b.layout, f"{path}: layout {a.layout} != {b.layout}"
@@ -581,3 +656,51 @@ def canonical(x) -> str:
     if hasattr(x, "__dict__") and not isinstance(x, type):
         return f"{type(x).__name__}({canonical(vars(x))})"
     return f"{type(x).__name__}:{x!r}"
+
+
+class CustomError(Exception):
+    """A user-defined exception class raised inside a worker."""
+
+
+class MismatchDataset(Dataset):
+    """Sample shapes differ at index ``odd``: default_collate fails inside the worker."""
+
+    def __init__(self, n: int, size: int, odd: int):
+        self.n = n
+        self.size = size
+        self.odd = odd
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        size = self.size + 1 if int(i) == self.odd else self.size
+        return torch.zeros(size)
+
+
+class BrokenIterable(IterableDataset):
+    """Worker ``bad_worker`` raises after yielding ``after`` samples."""
+
+    def __init__(self, n: int, after: int, bad_worker: int = 0):
+        self.n = n
+        self.after = after
+        self.bad_worker = bad_worker
+
+    def __iter__(self):
+        info = get_worker_info()
+        for k, i in enumerate(range(info.id, self.n, info.num_workers)):
+            if info.id == self.bad_worker and k == self.after:
+                raise CustomError(f"iterable broke in worker {info.id} at {i}")
+            yield torch.tensor([i])
+
+
+def collate_alias(batch):
+    """The same tensor object twice, a view of it, and a small view of it."""
+    t = torch.stack(batch)
+    return {"a": t, "b": t, "view": t[1:], "small_view": t[0, 0, 0, :2]}
+
+
+def collate_raises(batch):
+    if any(int(x[0]) == 6 for x in batch):
+        raise CustomError("collate refused a batch containing 6")
+    return torch.stack(batch)

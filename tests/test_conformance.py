@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -37,6 +37,7 @@ from _datasets import (
     RangeIterable,
     ReverseSampler,
     SampleDataset,
+    TvTensorDataset,
     VariableBatchSampler,
     assert_same,
     canonical,
@@ -66,7 +67,7 @@ class Case:
     epochs: tuple = (None,)  # per epoch: max batches to take (None = the whole epoch)
     ordered: bool = True  # False: compare the batches of an epoch as a sorted multiset
     seed: int = 0  # global torch/random/numpy seed set before building and iterating
-    marks: list = field(default_factory=list)
+    requires: tuple = ()  # optional modules the case needs (skipped without them)
 
 
 CASES = [
@@ -111,6 +112,8 @@ CASES = [
     Case("nobatch_containers_w3", lambda: SampleDataset(7, "containers"), lambda: dict(batch_size=None, num_workers=3)),
     Case("nobatch_python_w2", lambda: SampleDataset(5, "python"), lambda: dict(batch_size=None, num_workers=2)),
     Case("nobatch_params_and_grads_w2", lambda: ParamDataset(5), lambda: dict(batch_size=None, num_workers=2)),
+    Case("nobatch_tv_tensors_w2", lambda: TvTensorDataset(5), lambda: dict(batch_size=None, num_workers=2), requires=("torchvision",)),
+    Case("collate_tv_tensors_bs2_w2", lambda: TvTensorDataset(6), lambda: dict(batch_size=2, num_workers=2), requires=("torchvision",)),
     Case("nobatch_noncontig_w2", lambda: SampleDataset(4, "noncontig"), lambda: dict(batch_size=None, num_workers=2)),
     # --- shuffling, samplers, batch samplers --------------------------------------------------
     Case(
@@ -226,6 +229,8 @@ CASES = [
         lambda: dict(batch_size=2, shuffle=True, generator=gen(8), num_workers=2),
         epochs=(None, None),
     ),
+    Case("map_empty_dataset_w2", lambda: SampleDataset(0), lambda: dict(batch_size=3, num_workers=2)),
+    Case("iterable_empty_w2", lambda: RangeIterable(0, "tensor", "stride"), lambda: dict(batch_size=3, num_workers=2)),
     # --- IterableDataset ---------------------------------------------------------------------------
     Case("iterable_sharded_bs3_w2", lambda: RangeIterable(20, "tensor_wid", "stride"), lambda: dict(batch_size=3, num_workers=2)),
     Case("iterable_unsharded_duplicates_w2", lambda: RangeIterable(7, "tensor_wid", "none"), lambda: dict(batch_size=2, num_workers=2)),
@@ -347,6 +352,8 @@ def test_enough_configurations():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_same_batches_as_torch(case: Case, transport):
+    for module in case.requires:
+        pytest.importorskip(module)
     expected = torch_result(case)
     actual = run_loader(fastmm.DataLoader, case)
     assert_epochs_equal(expected, actual, case.ordered)
