@@ -779,6 +779,11 @@ def test_non_contiguous_tensors_keep_their_strides_like_torch(transport):
     assert_same(ours, theirs, strides=True)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known difference (README): slab tensors wrap a Python mapping, so is_shared() is "
+    "False; sending them on to another process copies them once into shared memory",
+)
 def test_received_tensors_report_shared_memory_like_torch(transport):
     def first(cls):
         return next(iter(cls(FullDataset(4, (64, 64)), batch_size=2, num_workers=1)))

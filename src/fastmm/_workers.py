@@ -169,7 +169,7 @@ def worker_loop(
                 if result[0] == "end":
                     iteration_end = True
             try:
-                payload = collate.pack(result[1], writer) if result[0] != "end" else b""
+                payload = collate.pack(result[1], writer) if result[0] != "end" else None
                 status = result[0]
             except Exception:
                 payload = collate.pack(

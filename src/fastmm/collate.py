@@ -22,7 +22,8 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
-INLINE_MAX_BYTES = 16 * 1024  # smaller tensors travel inside the message; a slab is not worth it
+INLINE_MAX_BYTES = 16 * 1024  # smaller storages travel inside the message; a slab is not worth it
+_ALIGN = 64  # storage copies start on a cache line, like the allocations they come from
 
 _writer = None  # this worker's SlabWriter while a batch is being collated and packed
 
@@ -78,52 +79,130 @@ def worker_collate_fn(collate_fn):
     return collate_into_slabs
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi): the bytes of its storage that a non-empty tensor can reach."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    return lo, lo + (reach + 1) * size
+
+
 class _SlabPickler(ForkingPickler):
+    """Pickles a batch with each plain CPU tensor replaced by a reference to its storage.
+
+    Every storage the batch uses is copied once (only the bytes its tensors reach), so
+    tensors that share memory in the worker share it in the main process, the same tensor
+    twice stays one object, and strides and storage offsets are kept, as torch does.
+    """
+
+    def __init__(self, file, protocol):
+        super().__init__(file, protocol)
+        self._tensor_index: dict[int, int] = {}  # id(tensor) -> index in self.tensors
+        self._keep_alive: list[torch.Tensor] = []  # so that ids stay unique during dump
+        self._storage_index: dict[tuple[int, int], int] = {}
+        self.storages: list[list] = []  # [storage, lo, hi] per storage
+        self.tensors: list[tuple] = []  # (storage index, dtype, shape, stride, byte offset)
+
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor) or not _plain_cpu_tensor(obj):
             return None  # everything else pickles as torch would send it
-        dtype, shape = obj.dtype, tuple(obj.shape)
-        nbytes = obj.numel() * obj.element_size()
-        if nbytes <= INLINE_MAX_BYTES:
-            return ("inline", dtype, shape, _as_bytes(obj.contiguous()).tobytes())
-        if obj.is_contiguous():
-            located = _writer.locate(obj.data_ptr(), nbytes)
-            if located is not None:
-                return ("slab", *located, dtype, shape)
-        slab_id, offset, view = _writer.alloc(nbytes)
-        torch.frombuffer(view, dtype=dtype, count=obj.numel()).view(shape).copy_(obj)
-        return ("slab", slab_id, offset, dtype, shape)
+        index = self._tensor_index.get(id(obj))
+        if index is not None:
+            return ("tensor", index)
+        if obj.numel() == 0:
+            return ("empty", obj.dtype, tuple(obj.shape), obj.stride())
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        lo, hi = _byte_span(obj)
+        slot = self._storage_index.get(key)
+        if slot is None:
+            slot = self._storage_index[key] = len(self.storages)
+            self.storages.append([storage, lo, hi])
+        else:
+            entry = self.storages[slot]
+            entry[1], entry[2] = min(entry[1], lo), max(entry[2], hi)
+        index = self._tensor_index[id(obj)] = len(self.tensors)
+        self._keep_alive.append(obj)
+        self.tensors.append((slot, obj.dtype, tuple(obj.shape), obj.stride(), lo))
+        return ("tensor", index)
+
+    def place(self, writer) -> tuple[list, list]:
+        """Copy each storage's reachable bytes into the slab (or inline them): the tables
+        the main process needs to rebuild the tensors."""
+        places = []
+        for storage, lo, hi in self.storages:
+            start = lo - lo % _ALIGN  # keeps every tensor's offset a multiple of its item size
+            nbytes = hi - start
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,), (1,))
+            if nbytes <= INLINE_MAX_BYTES:
+                places.append(("inline", start, raw.numpy().tobytes()))
+                continue
+            located = writer.locate(storage.data_ptr() + start, nbytes)
+            if located is None:
+                slab_id, offset, view = writer.alloc(nbytes)
+                writer.gather(view, 0, [raw.numpy()], nbytes)
+                located = (slab_id, offset)
+            places.append(("slab", start, *located, nbytes))
+        return places, self.tensors
+
 
 
 class _SlabUnpickler(pickle.Unpickler):
-    def __init__(self, file, views: dict[int, memoryview]):
+    def __init__(self, file, places, tensors, views: dict[int, memoryview]):
         super().__init__(file)
+        self._places = places
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self._tensor_specs = tensors
+        self._tensors: dict[int, torch.Tensor] = {}
         self._views = views
+
+    def _storage(self, slot: int):
+        storage = self._storages.get(slot)
+        if storage is None:
+            kind, *rest = self._places[slot]
+            if kind == "inline":
+                base = torch.frombuffer(bytearray(rest[1]), dtype=torch.uint8)
+            else:
+                slab_id, offset, nbytes = rest[1:]
+                base = torch.frombuffer(
+                    self._views[slab_id], dtype=torch.uint8, count=nbytes, offset=offset
+                )
+            storage = self._storages[slot] = base.untyped_storage()
+        return storage
 
     def persistent_load(self, pid):
         kind, *rest = pid
-        if kind == "inline":
-            dtype, shape, raw = rest
-            if not raw:
-                return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
-        if kind == "slab":
-            slab_id, offset, dtype, shape = rest
-            view = self._views[slab_id]
-            return torch.frombuffer(view, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+        if kind == "tensor":
+            (index,) = rest
+            tensor = self._tensors.get(index)
+            if tensor is None:
+                slot, dtype, shape, stride, lo = self._tensor_specs[index]
+                start = self._places[slot][1]
+                itemsize = torch.empty(0, dtype=dtype).element_size()
+                tensor = torch.empty(0, dtype=dtype).set_(
+                    self._storage(slot), (lo - start) // itemsize, shape, stride
+                )
+                self._tensors[index] = tensor
+            return tensor
+        if kind == "empty":
+            dtype, shape, stride = rest
+            return torch.empty_strided(shape, stride, dtype=dtype)
         raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
 
 
-def pack(data, writer) -> bytes:
-    """Pickle ``data`` with its tensors placed in ``writer``'s slabs."""
+def pack(data, writer) -> tuple:
+    """Pickle ``data`` with its tensors' memory placed in ``writer``'s slabs."""
     buf = io.BytesIO()
-    _SlabPickler(buf, pickle.HIGHEST_PROTOCOL).dump(data)
-    return buf.getvalue()
+    pickler = _SlabPickler(buf, pickle.HIGHEST_PROTOCOL)
+    pickler.dump(data)
+    places, tensors = pickler.place(writer)
+    return places, tensors, buf.getvalue()
 
 
-def unpack(payload: bytes, views: dict[int, memoryview]):
+def unpack(packed: tuple, views: dict[int, memoryview]):
     """Rebuild a batch whose tensors view the given slabs."""
-    return _SlabUnpickler(io.BytesIO(payload), views).load()
+    places, tensors, payload = packed
+    return _SlabUnpickler(io.BytesIO(payload), places, tensors, views).load()
 
 
 def set_writer(writer) -> None:

@@ -30,6 +30,7 @@ from .config import TransportConfig
 from .slabs import SlabRing
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
+_OPEN_CHANNELS: dict[int, tuple] = {}  # id(iterator) -> its result connections and fd sockets
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -53,7 +54,9 @@ def _check_cuda(status, what: str) -> None:
 
 
 def _signal_name(exitcode: int | None) -> str:
-    if exitcode is None or exitcode >= 0:
+    if exitcode is None:
+        return "closed its result channel and did not exit"
+    if exitcode >= 0:
         return f"exit code {exitcode}"
     try:
         return signal.strsignal(-exitcode) or signal.Signals(-exitcode).name
@@ -68,7 +71,12 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         super().__init__(loader)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        assert self._num_workers > 0 and self._prefetch_factor > 0
+        if self._num_workers <= 0:
+            raise AssertionError("num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
+        if self._prefetch_factor <= 0:
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
         context = loader.multiprocessing_context or torch.multiprocessing
         self._worker_init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
@@ -131,6 +139,9 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
             self._workers.append(process)
             self._result_conns.append(result_recv)
             self._fd_socks.append(fd_main)
+        # Held outside the iterator as well: if the iterator dies in a reference cycle, its
+        # channels must not be finalized (closed) before its own shutdown closes them.
+        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
         torch_utils.signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
         torch_utils.signal_handling._set_SIGCHLD_handler()
         self._worker_pids_set = True
@@ -169,23 +180,29 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         """(True, (idx, data)) from any worker within ``timeout`` s, else (False, None); a dead
         worker raises at once."""
         self._return_slabs()
-        waiting = {conn: i for i, conn in enumerate(self._result_conns)}
+        # Inactive workers (ended or told to stop) owe no results, as in torch.
+        waiting = {
+            conn: i for i, conn in enumerate(self._result_conns) if self._workers_status[i]
+        }
         sentinels = {
             self._workers[i].sentinel: i
             for i in range(self._num_workers)
             if self._workers_status[i]
         }
         ready = multiprocessing.connection.wait([*waiting, *sentinels], timeout)
+        silent = []  # workers whose result channel closed: nothing more can come from them
         for obj in ready:
             if obj in waiting:
                 try:
                     return True, self._receive(waiting[obj])
                 except EOFError:
-                    continue  # its sentinel says why
+                    silent.append(waiting[obj])
+        for i in silent:  # give its exit a moment to be seen, so the error can say why
+            self._workers[i].join(timeout=_STATUS_CHECK_INTERVAL_S)
         failed = [
             i
             for i in range(self._num_workers)
-            if self._workers_status[i] and not self._workers[i].is_alive()
+            if self._workers_status[i] and (i in silent or not self._workers[i].is_alive())
         ]
         if failed:
             for i in failed:
@@ -335,6 +352,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
                     process.join(timeout=_STATUS_CHECK_INTERVAL_S)
             for sock in self._fd_socks:
                 sock.close()
+            _OPEN_CHANNELS.pop(id(self), None)
             self._task_info = {}
             self._ring.close()
 

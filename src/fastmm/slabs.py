@@ -27,7 +27,7 @@ import numpy as np
 from .config import TransportConfig
 
 _ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
-_GRANULE = 1 << 16  # slab sizes are rounded up to this
+_GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
 
 
 class SharedMemoryError(RuntimeError):

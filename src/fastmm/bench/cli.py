@@ -286,7 +286,7 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int) -> dict:
         crc = arms["crc-alone"]["samples_per_s"]["median"]
         single = arms["single-process"]["samples_per_s"]["median"]
         reuse = arms["single-reuse"]["samples_per_s"]["median"]
-        bound = min(crc, cores * reuse)
+        # The loop reads every byte on one core, so no loader can beat CRC alone: a hard ceiling.
         summary["ceiling"] = {
             "crc_alone_samples_per_s": crc,
             "single_process_samples_per_s": single,
@@ -294,9 +294,9 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int) -> dict:
             "cores": cores,
             "cores_x_single_process_samples_per_s": cores * single,
             "cores_x_single_reuse_samples_per_s": cores * reuse,
-            "bound_samples_per_s": bound,
-            "torch_fraction_of_bound": t_med / bound,
-            "fastmm_fraction_of_bound": f_med / bound,
+            "torch_fraction_of_ceiling": t_med / crc,
+            "fastmm_fraction_of_ceiling": f_med / crc,
+            "highest_possible_ratio_over_torch": crc / t_med,
         }
         summary["target"] = {
             "description": "fastmm >= 3x torch samples/s",
