@@ -16,6 +16,7 @@ import itertools
 import multiprocessing.connection
 import signal
 import socket
+import time
 
 import torch
 import torch.multiprocessing
@@ -190,14 +191,15 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
             if self._workers_status[i]
         }
         ready = multiprocessing.connection.wait([*waiting, *sentinels], timeout)
-        silent = []  # workers whose result channel closed: nothing more can come from them
+        # A worker whose result channel closed, or whose process is ending, can send nothing more.
+        silent = [sentinels[obj] for obj in ready if obj in sentinels]
         for obj in ready:
             if obj in waiting:
                 try:
                     return True, self._receive(waiting[obj])
                 except EOFError:
                     silent.append(waiting[obj])
-        for i in silent:  # give its exit a moment to be seen, so the error can say why
+        for i in silent:  # its exit can lag its channel closing: wait so the error can say why
             self._workers[i].join(timeout=_STATUS_CHECK_INTERVAL_S)
         failed = [
             i
@@ -229,10 +231,12 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
 
     def _get_data(self):
         if self._timeout > 0:
-            success, data = self._try_get_data(self._timeout)
-            if not success:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-            return data
+            deadline = time.monotonic() + self._timeout
+            while (remaining := deadline - time.monotonic()) > 0:
+                success, data = self._try_get_data(remaining)
+                if success:
+                    return data
+            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
         while True:
             success, data = self._try_get_data(_STATUS_CHECK_INTERVAL_S)
             if success:

@@ -3,8 +3,10 @@
 Each case (a workload at one batch size) has arms: the two loaders, plus in-process reference
 arms that bound what a loader can reach on this machine. Every arm runs once untimed (warm-up),
 then ``--reps`` times interleaved (torch, fastmm, references, torch, fastmm, ...), each time with
-a fresh DataLoader; then ``--mem-reps`` more interleaved loader repetitions with the PSS sampler
-on. See ``benchmarks/README.md`` for what is measured and how to read it.
+a fresh DataLoader; then ``--mem-reps`` rounds of loader repetitions with the PSS sampler on:
+torch and fastmm at full speed, then torch and fastmm paced (every loop step lasts
+``PACE_FACTOR`` x torch's median batch interval, so both are consumer-bound with full prefetch
+buffers). See ``benchmarks/README.md`` for what is measured and how to read it.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import torch.utils.data
 
 from . import env, harness, report, stats
 from .corpus import default_cache_dir, ensure_corpus
-from .workloads import ClipBankDataset, JpegFolderDataset
+from .workloads import CONSUMERS, DEFAULT_CONSUMER, ClipBankDataset, JpegFolderDataset
 
 WORKLOADS = ("transport", "decode")
 RESULTS_FORMAT = 1
 BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
 BUSY_RETRIES = 2  # with --wait-quiet, a busy timed repetition is redone at most this many times
+PACE_FACTOR = 1.5  # paced memory repetitions: step = PACE_FACTOR x torch's median batch interval
+KEPT_PACE = 0.95  # a paced repetition kept pace if the loop waited for batches <= 5% of its window
+MEMORY_TARGET = "fastmm's peak PSS no higher than torch's (peak over idle, medians)"
 
 QUICK = {
     "reps": 2,
@@ -58,7 +63,8 @@ def _log(message: str) -> None:
 class Arm:
     name: str
     kind: str  # "loader" (a DataLoader, gets memory repetitions) or "reference" (in-process)
-    run: Callable[[float, bool], dict]  # (min_seconds, sample_pss) -> figures of one repetition
+    # (min_seconds, sample_pss, step_s or None) -> figures of one repetition
+    run: Callable[[float, bool, float | None], dict]
     description: str
 
 
@@ -73,28 +79,37 @@ class Case:
     details: dict = field(default_factory=dict)
 
 
-def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: int) -> Arm:
+def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: int, consume,
+                seed: int) -> Arm:
     def make():
+        # The same global seed before every loader: both draw the same base seed, so their
+        # workers' random transforms (decode) make the same batches and the digests compare.
+        torch.manual_seed(seed)
         return loader_class(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
 
-    def run(min_seconds: float, sample_pss: bool) -> dict:
-        return harness.run_loader(make, num_workers, min_seconds, sample_pss=sample_pss)
+    def run(min_seconds: float, sample_pss: bool, step_s: float | None) -> dict:
+        return harness.run_loader(make, num_workers, min_seconds, consume, sample_pss=sample_pss,
+                                  step_s=step_s)
 
     return Arm(
         name,
         "loader",
         run,
         f"{loader_class.__module__}.{loader_class.__qualname__}(batch_size={batch_size}, "
-        f"num_workers={num_workers}, shuffle=False; other arguments default)",
+        f"num_workers={num_workers}, shuffle=False; other arguments default), built right "
+        f"after torch.manual_seed({seed})",
     )
 
 
-def _loader_arms(dataset, batch_size: int, num_workers: int) -> list[Arm]:
+def _loader_arms(dataset, batch_size: int, args) -> list[Arm]:
     import fastmm
 
+    consume = CONSUMERS[args.consume][0]
     return [
-        _loader_arm("torch", torch.utils.data.DataLoader, dataset, batch_size, num_workers),
-        _loader_arm("fastmm", fastmm.DataLoader, dataset, batch_size, num_workers),
+        _loader_arm("torch", torch.utils.data.DataLoader, dataset, batch_size, args.num_workers,
+                    consume, args.seed),
+        _loader_arm("fastmm", fastmm.DataLoader, dataset, batch_size, args.num_workers, consume,
+                    args.seed),
     ]
 
 
@@ -102,26 +117,28 @@ def transport_case(args, clip_mode: str) -> Case:
     shape = tuple(int(v) for v in args.clip_shape.split(","))
     dataset = ClipBankDataset(shape, bank_size=args.clip_bank, mode=clip_mode, seed=args.seed)
     b = args.transport_batch_size
-    arms = _loader_arms(dataset, b, args.num_workers) + [
+    consume = CONSUMERS[args.consume][0]
+    arms = _loader_arms(dataset, b, args) + [
         Arm(
             "single-process",
             "reference",
-            lambda s, _: harness.run_single_process(dataset, b, s),
-            "getitem x batch + default_collate + CRC-32 of the batch, in the main process, "
-            "torch on 1 thread",
+            lambda s, _, __: harness.run_single_process(dataset, b, s, consume),
+            f"getitem x batch + default_collate + {args.consume} of the batch, in the main "
+            "process, torch on 1 thread",
         ),
         Arm(
             "single-reuse",
             "reference",
-            lambda s, _: harness.run_single_process(dataset, b, s, reuse_batch=True),
+            lambda s, _, __: harness.run_single_process(dataset, b, s, consume, reuse_batch=True),
             "as single-process, but stacking into one preallocated batch reused every time: "
             "the least work any loader must do per batch",
         ),
         Arm(
-            "crc-alone",
+            "consume-alone",
             "reference",
-            lambda s, _: harness.run_consume_only(dataset, b, s),
-            "CRC-32 over one batch already in memory, repeatedly (the loop's own cost)",
+            lambda s, _, __: harness.run_consume_only(dataset, b, s, consume),
+            f"the loop's consumer ({args.consume}) over one batch already in memory, repeatedly, "
+            "on one thread (the loop's own cost)",
         ),
     ]
     shape_text = "x".join(str(v) for v in shape)
@@ -133,7 +150,7 @@ def transport_case(args, clip_mode: str) -> Case:
         description=(
             f"{shape_text} uint8 clips from a bank of {args.clip_bank} (getitem returns a "
             f"{'fresh clone' if clip_mode == 'clone' else 'view of the bank, no copy'}); loop: "
-            "CRC-32 over every byte of each batch"
+            f"{args.consume} over every byte of each batch"
         ),
         arms=arms,
         details={
@@ -150,11 +167,11 @@ def decode_cases(args, corpus) -> list[Case]:
     dataset = JpegFolderDataset(corpus.files)
     cases = []
     for b in args.decode_batch_sizes:
-        arms = _loader_arms(dataset, b, args.num_workers) + [
+        arms = _loader_arms(dataset, b, args) + [
             Arm(
                 "getitem-1-thread",
                 "reference",
-                lambda s, _: harness.run_getitem(dataset, s),
+                lambda s, _, __: harness.run_getitem(dataset, s),
                 "dataset[i] alone, sequentially, in the main process, torch on 1 thread",
             )
         ]
@@ -167,7 +184,7 @@ def decode_cases(args, corpus) -> list[Case]:
                 description=(
                     f"{corpus.num_images} JPEGs (~{corpus.mean_width:.0f}x{corpus.mean_height:.0f}, "
                     f"q90): PIL open + convert RGB + v2.RandomResizedCrop(224) + "
-                    "RandomHorizontalFlip + PILToTensor; loop: CRC-32 over each batch"
+                    f"RandomHorizontalFlip + PILToTensor; loop: {args.consume} over each batch"
                 ),
                 arms=arms,
                 details={"corpus": corpus.describe()},
@@ -178,7 +195,7 @@ def decode_cases(args, corpus) -> list[Case]:
 
 def _progress(case: Case, label: str, arm: Arm, fig: dict) -> None:
     rate = fig.get("samples_per_s")
-    parts = [f"[{case.name}] {label:<11} {arm.name:<17}"]
+    parts = [f"[{case.name}] {label:<13} {arm.name:<17}"]
     parts.append(f"{rate:9.1f} samples/s" if rate else "        - samples/s")
     if fig.get("bytes_per_s"):
         parts.append(f"{fig['bytes_per_s'] / 1e9:6.2f} GB/s")
@@ -186,7 +203,11 @@ def _progress(case: Case, label: str, arm: Arm, fig: dict) -> None:
     if fig.get("first_batch_s") is not None:
         parts.append(f"first batch {fig['first_batch_s']:.2f} s")
     if "peak_total_pss_bytes" in fig:
-        parts.append(f"peak PSS {fig['peak_total_pss_bytes'] / 2**20:.0f} MiB")
+        parts.append(f"peak PSS {fig['peak_total_pss_bytes'] / 2**20:.0f} MiB "
+                     f"(+{(fig['peak_total_pss_bytes'] - fig['baseline_pss_bytes']) / 2**20:.0f})")
+    if fig.get("pace_step_s"):
+        parts.append(f"paced {fig['pace_step_s'] * 1e3:.0f} ms/step, waited "
+                     f"{fig['fetch_wait_s']:.2f} s for batches")
     if fig.get("exhausted"):
         parts.append("(dataset ran out before the window closed)")
     _log("  ".join(parts))
@@ -197,7 +218,8 @@ def run_case(case: Case, args) -> dict:
     reps: dict[str, list[dict]] = {arm.name: [] for arm in case.arms}
     order = 0
 
-    def one(arm: Arm, phase: str, index: int, min_seconds: float, sample_pss: bool, label: str):
+    def one(arm: Arm, phase: str, index: int, min_seconds: float, sample_pss: bool, label: str,
+            step_s: float | None = None):
         nonlocal order
         for attempt in range(1 + (BUSY_RETRIES if args.wait_quiet > 0 and phase == "timed" else 0)):
             quiet = harness.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
@@ -205,7 +227,7 @@ def run_case(case: Case, args) -> dict:
                 _log(f"[{case.name}] the machine stayed busy for {args.wait_quiet:.0f} s "
                      f"(others used {quiet['other_processes_cpu_cores_before_start']:.2f} cores); going on")
             started = time.time()
-            fig = arm.run(min_seconds, sample_pss)
+            fig = arm.run(min_seconds, sample_pss, step_s)
             fig = {"phase": phase, "rep": index, "order": order, "started_unix_s": started, **quiet, **fig}
             order += 1
             busy = (fig.get("other_processes_cpu_cores") or 0.0) > BUSY_CORES
@@ -222,10 +244,14 @@ def run_case(case: Case, args) -> dict:
     for r in range(args.reps):
         for arm in case.arms:
             one(arm, "timed", r, args.min_seconds, False, f"rep {r + 1}/{args.reps}")
+    step_s = pace_step_s(case.batch_size, reps["torch"])
+    loaders = [arm for arm in case.arms if arm.kind == "loader"]
     for r in range(args.mem_reps):
-        for arm in case.arms:
-            if arm.kind == "loader":
-                one(arm, "memory", r, args.min_seconds, True, f"mem {r + 1}/{args.mem_reps}")
+        for arm in loaders:
+            one(arm, "memory", r, args.min_seconds, True, f"mem {r + 1}/{args.mem_reps}")
+        for arm in loaders if step_s else []:
+            one(arm, "memory-paced", r, args.min_seconds, True, f"paced {r + 1}/{args.mem_reps}",
+                step_s=step_s)
     return {
         "name": case.name,
         "workload": case.workload,
@@ -237,19 +263,77 @@ def run_case(case: Case, args) -> dict:
             arm.name: {"kind": arm.kind, "description": arm.description, "reps": reps[arm.name]}
             for arm in case.arms
         },
-        "summary": summarize_case(case, reps, args.cores),
+        "summary": summarize_case(case, reps, args.cores, step_s),
     }
+
+
+def pace_step_s(batch_size: int, torch_reps: list[dict]) -> float | None:
+    """The paced repetitions' step: PACE_FACTOR x torch's median batch interval in the timed
+    repetitions of the case (batch_size / median samples/s), the same for both loaders."""
+    rate = stats.summarize(_timed(torch_reps, "samples_per_s"))
+    return PACE_FACTOR * batch_size / rate["median"] if rate and rate["median"] else None
 
 
 def _timed(reps: list[dict], key: str) -> list:
     return [r.get(key) for r in reps if r["phase"] == "timed"]
 
 
-def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int) -> dict:
+def _over_idle(reps: list[dict]) -> list[int]:
+    return [r["peak_total_pss_bytes"] - r["baseline_pss_bytes"] for r in reps]
+
+
+def _shmem_over_idle(reps: list[dict]) -> list[int | None]:
+    return [
+        r["peak_shmem_bytes"] - r["baseline_shmem_bytes"]
+        if r.get("peak_shmem_bytes") is not None and r.get("baseline_shmem_bytes") is not None
+        else None
+        for r in reps
+    ]
+
+
+def _kept_pace(rep: dict) -> bool:
+    """A paced repetition kept pace when the loop waited for batches at most 1 - KEPT_PACE of
+    its window: the loader had the next batch ready (its buffers full) at nearly every step."""
+    return rep["fetch_wait_s"] <= (1.0 - KEPT_PACE) * rep["window_s"]
+
+
+def _memory_condition(arms: dict, prefix: str) -> dict | None:
+    """Peak PSS of both loaders under one condition (max throughput or paced) and the verdict
+    on the memory target: fastmm's median peak over idle no higher than torch's."""
+    t_idle = arms["torch"][prefix + "peak_pss_over_baseline_bytes"]
+    f_idle = arms["fastmm"][prefix + "peak_pss_over_baseline_bytes"]
+    t_total = arms["torch"][prefix + "peak_total_pss_bytes"]
+    f_total = arms["fastmm"][prefix + "peak_total_pss_bytes"]
+    t_shm = arms["torch"][prefix + "peak_shmem_over_baseline_bytes"]
+    f_shm = arms["fastmm"][prefix + "peak_shmem_over_baseline_bytes"]
+    if not (t_idle and f_idle):
+        return None
+    return {
+        "torch_samples_per_s": arms["torch"][
+            "paced_samples_per_s" if prefix else "samples_per_s_with_pss_sampler"]["median"],
+        "fastmm_samples_per_s": arms["fastmm"][
+            "paced_samples_per_s" if prefix else "samples_per_s_with_pss_sampler"]["median"],
+        "torch_peak_total_pss_bytes": t_total["median"],
+        "fastmm_peak_total_pss_bytes": f_total["median"],
+        "torch_peak_pss_over_baseline_bytes": t_idle["median"],
+        "fastmm_peak_pss_over_baseline_bytes": f_idle["median"],
+        "ratio_over_baseline_fastmm_over_torch": (
+            f_idle["median"] / t_idle["median"] if t_idle["median"] > 0 else None
+        ),
+        "met": f_idle["median"] <= t_idle["median"],
+        "met_on_total": f_total["median"] <= t_total["median"],
+        "torch_peak_shmem_over_baseline_bytes": t_shm["median"] if t_shm else None,
+        "fastmm_peak_shmem_over_baseline_bytes": f_shm["median"] if f_shm else None,
+    }
+
+
+def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
+                   step_s: float | None = None) -> dict:
     arms = {}
     for name, figs in reps.items():
         timed = [r for r in figs if r["phase"] == "timed"]
         memory = [r for r in figs if r["phase"] == "memory"]
+        paced = [r for r in figs if r["phase"] == "memory-paced"]
         cpu_per_sample = [
             r["tree_cpu_s"] / r["samples"] * 1e3
             for r in timed
@@ -265,10 +349,14 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int) -> dict:
             "cpu_ms_per_sample": stats.summarize(cpu_per_sample),
             "other_processes_cpu_cores": stats.summarize(foreign),
             "peak_total_pss_bytes": stats.summarize([r.get("peak_total_pss_bytes") for r in memory]),
-            "peak_pss_over_baseline_bytes": stats.summarize(
-                [r["peak_total_pss_bytes"] - r["baseline_pss_bytes"] for r in memory]
-            ),
+            "peak_pss_over_baseline_bytes": stats.summarize(_over_idle(memory)),
+            "peak_shmem_over_baseline_bytes": stats.summarize(_shmem_over_idle(memory)),
             "samples_per_s_with_pss_sampler": stats.summarize([r.get("samples_per_s") for r in memory]),
+            "paced_peak_total_pss_bytes": stats.summarize([r.get("peak_total_pss_bytes") for r in paced]),
+            "paced_peak_pss_over_baseline_bytes": stats.summarize(_over_idle(paced)),
+            "paced_peak_shmem_over_baseline_bytes": stats.summarize(_shmem_over_idle(paced)),
+            "paced_samples_per_s": stats.summarize([r.get("samples_per_s") for r in paced]),
+            "paced_fetch_wait_s": stats.summarize([r.get("fetch_wait_s") for r in paced]),
         }
     torch_rates = _timed(reps["torch"], "samples_per_s")
     fastmm_rates = _timed(reps["fastmm"], "samples_per_s")
@@ -279,24 +367,41 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int) -> dict:
         "ratio_fastmm_over_torch": f_med / t_med if t_med else None,
         "paired_ratios_fastmm_over_torch": stats.summarize(stats.paired_ratios(fastmm_rates, torch_rates)),
     }
-    first_batches = [r.get("first_batch_crc32") for name in ("torch", "fastmm") for r in reps[name]]
+    # Deterministic data (transport) or the same seed before every loader (decode): the first
+    # batch of every loader repetition must be the same bytes.
+    digests = {name: [r.get("first_batch_crc32") for r in reps[name]] for name in ("torch", "fastmm")}
+    summary["first_batch_crc32"] = {name: sorted(set(d)) for name, d in digests.items()}
+    summary["first_batch_identical"] = len(set(digests["torch"] + digests["fastmm"])) == 1
+    paced_rate = case.batch_size / step_s if step_s else None
+    paced_reps = {name: [r for r in reps[name] if r["phase"] == "memory-paced"] for name in ("torch", "fastmm")}
+    summary["memory"] = {
+        "target": MEMORY_TARGET,
+        "max_throughput": _memory_condition(arms, ""),
+        "paced": _memory_condition(arms, "paced_"),
+        "pace_factor": PACE_FACTOR,
+        "kept_pace_fraction": KEPT_PACE,
+        "paced_step_s": step_s,
+        "paced_target_samples_per_s": paced_rate,
+        "kept_pace": {
+            name: all(_kept_pace(r) for r in figs) if figs else None
+            for name, figs in paced_reps.items()
+        },
+    }
     if case.workload == "transport":
-        # Deterministic data: the first batch of every loader repetition must be the same bytes.
-        summary["first_batch_identical"] = len(set(first_batches)) == 1
-        crc = arms["crc-alone"]["samples_per_s"]["median"]
+        consume_alone = arms["consume-alone"]["samples_per_s"]["median"]
         single = arms["single-process"]["samples_per_s"]["median"]
         reuse = arms["single-reuse"]["samples_per_s"]["median"]
-        # The loop reads every byte on one core, so no loader can beat CRC alone: a hard ceiling.
+        # The loop reads every byte on one core, so no loader can beat the consumer alone.
         summary["ceiling"] = {
-            "crc_alone_samples_per_s": crc,
+            "consume_alone_samples_per_s": consume_alone,
             "single_process_samples_per_s": single,
             "single_reuse_samples_per_s": reuse,
             "cores": cores,
             "cores_x_single_process_samples_per_s": cores * single,
             "cores_x_single_reuse_samples_per_s": cores * reuse,
-            "torch_fraction_of_ceiling": t_med / crc,
-            "fastmm_fraction_of_ceiling": f_med / crc,
-            "highest_possible_ratio_over_torch": crc / t_med,
+            "torch_fraction_of_ceiling": t_med / consume_alone,
+            "fastmm_fraction_of_ceiling": f_med / consume_alone,
+            "highest_possible_ratio_over_torch": consume_alone / t_med,
         }
         summary["target"] = {
             "description": "fastmm >= 3x torch samples/s",
@@ -358,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--reps", type=int, help=f"timed repetitions per arm (default {FULL['reps']})")
     parser.add_argument("--mem-reps", type=int,
-                        help=f"repetitions per loader with the PSS sampler on (default {FULL['mem_reps']})")
+                        help="rounds of memory repetitions with the PSS sampler on, each one "
+                        f"max-throughput and one paced repetition per loader (default {FULL['mem_reps']})")
     parser.add_argument("--min-seconds", type=float,
                         help=f"shortest throughput window of a repetition (default {FULL['min_seconds']})")
     parser.add_argument("--warmup-seconds", type=float,
@@ -379,7 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"JPEGs in the decode corpus (default {FULL['num_images']})")
     parser.add_argument("--cache-dir", default=None,
                         help=f"where the JPEG corpus is generated and reused (default {default_cache_dir()})")
-    parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="data seed, and torch.manual_seed before every loader (default 0)")
+    parser.add_argument("--consume", choices=sorted(CONSUMERS), default=DEFAULT_CONSUMER,
+                        help="the training-loop stand-in that reads every byte of each batch: "
+                        "'sum64' (uint64 sum, memory speed on one thread) or 'crc32' (zlib, "
+                        f"~3 GB/s) (default {DEFAULT_CONSUMER})")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="before each repetition, wait up to SECONDS until other processes use "
                         f"< {BUSY_CORES} cores, and redo (up to {BUSY_RETRIES} times) a timed repetition "
@@ -459,12 +570,15 @@ def main(argv=None) -> int:
             "num_images": args.num_images,
             "cache_dir": str(args.cache_dir),
             "seed": args.seed,
+            "consume": args.consume,
+            "pace_factor": PACE_FACTOR,
+            "kept_pace_fraction": KEPT_PACE,
             "pss_interval_s": harness.PSS_INTERVAL_S,
             "wait_quiet_s": args.wait_quiet,
             "busy_threshold_cores": BUSY_CORES,
             "cores_for_limits": args.cores,
         },
-        "method": report.METHOD,
+        "method": report.method(args.consume),
         "cases": [],
     }
     for case in cases:

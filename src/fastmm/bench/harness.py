@@ -11,6 +11,12 @@ Timing rules (the same for every arm, so the arms compare like for like):
   window count. Workers run in lockstep rounds, so whole rounds on both ends keep a short window
   from being biased by the start-up round or a half-finished last round.
 * Teardown (dropping the iterator and joining its workers) is timed separately.
+* The first batch's CRC-32 (the correctness digest) is computed after ``first_batch_s`` is taken
+  and before the window's clock starts, so it is in neither figure.
+* The consumer (the training-loop stand-in) is passed in explicitly by the caller.
+* Paced repetitions (``step_s``): after consuming a batch the loop sleeps, still holding the
+  batch, until ``step_s`` has passed since the batch arrived, so every step lasts ``step_s``
+  when the loader keeps up: a consumer-bound loop, with the loader's prefetch buffers full.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import psutil
 import torch
 from torch.utils.data import default_collate
 
-from .workloads import batch_nbytes, consume
+from .workloads import Consumer, batch_nbytes, first_batch_digest
 
 PSS_INTERVAL_S = 0.05
 
@@ -63,9 +70,25 @@ class _CpuMeter:
         return {"tree_cpu_s": tree_cpu_s() - self.tree0, "system_busy_s": system_busy_s() - self.system0}
 
 
+def shmem_bytes() -> int | None:
+    """Shared memory in use on the whole machine (``Shmem`` in /proc/meminfo: tmpfs, /dev/shm,
+    memfd), mapped or not. PSS only counts pages some process maps: a torch batch segment in
+    flight between a worker and the main process (its fd passed along, mapped by nobody) is
+    in Shmem but in no process's PSS."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Shmem:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class PssSampler(threading.Thread):
     """Samples PSS (``memory_full_info().pss``) of this process and all its descendants every
-    ``interval`` seconds and keeps the peak of their sum.
+    ``interval`` seconds and keeps the peak of their sum; also the peak of the machine's
+    :func:`shmem_bytes` at the same moments.
 
     A sweep is not free: the kernel walks every page table to compute PSS, tens of ms for a
     process with torch loaded. That is why the harness samples in dedicated memory repetitions
@@ -81,6 +104,7 @@ class PssSampler(threading.Thread):
         self.peak_total = 0
         self.peak_main = 0
         self.peak_workers = 0
+        self.peak_shmem = None
         self.sweeps = 0
         self.sweep_s = 0.0
         self.cpu_s = 0.0
@@ -112,6 +136,9 @@ class PssSampler(threading.Thread):
     def _record(self, main: int, others: int) -> None:
         if main + others > self.peak_total:
             self.peak_total, self.peak_main, self.peak_workers = main + others, main, others
+        shmem = shmem_bytes()
+        if shmem is not None and (self.peak_shmem is None or shmem > self.peak_shmem):
+            self.peak_shmem = shmem
 
     def run(self) -> None:
         cpu0 = time.thread_time()
@@ -136,6 +163,7 @@ class PssSampler(threading.Thread):
             "pss_sweep_mean_s": self.sweep_s / max(1, self.sweeps),
             "pss_sampler_cpu_s": self.cpu_s,
             "pss_processes_seen": 1 + len(self.pids_seen),
+            "peak_shmem_bytes": self.peak_shmem,
         }
 
 
@@ -183,12 +211,15 @@ class _Window:
     nbytes: int = 0
     cpu: _CpuMeter | None = None
 
-    def add(self, samples: int, nbytes: int) -> bool:
-        """Account one consumed batch; True when the window is complete."""
+    def add(self, samples: int, nbytes: int, on_first: Callable[[], None] | None = None) -> bool:
+        """Account one consumed batch; True when the window is complete. ``on_first`` runs after
+        the first batch's time is taken and before the window's clock can start."""
         now = time.perf_counter()
         self.batches_seen += 1
         if self.batches_seen == 1:
             self.first_batch_s = now - self.t0
+            if on_first is not None:
+                on_first()
         if self.batches_seen == self.warm_batches:
             self.cpu = _CpuMeter()
             self.start = time.perf_counter()
@@ -226,9 +257,12 @@ class _Window:
         }
 
 
-def run_loader(make_loader, num_workers: int, min_seconds: float, sample_pss: bool = False) -> dict:
+def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consumer,
+               sample_pss: bool = False, step_s: float | None = None) -> dict:
     """One repetition of a multi-process loader arm (torch or fastmm): fresh loader, every
-    batch consumed by :func:`consume`."""
+    batch read by ``consume``. With ``step_s`` the repetition is paced (see the module
+    docstring); otherwise the loop runs as fast as the loader delivers and drops each batch
+    right after consuming it."""
     gc.collect()
     leftover = _wait_for_children()
     sampler = None
@@ -236,6 +270,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, sample_pss: bo
     if sample_pss:
         sampler = PssSampler()
         baseline = sum(sampler.sweep())
+        baseline_shmem = shmem_bytes()
     load1 = os.getloadavg()[0]
     rounds = max(1, num_workers)
     window = _Window(warm_batches=rounds, round_size=rounds, min_seconds=min_seconds)
@@ -243,12 +278,24 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, sample_pss: bo
     iterator = iter(loader)  # forks the workers: start the sampler thread only afterwards
     if sampler is not None:
         sampler.start()
-    first_crc = None
-    for batch in iterator:
-        crc = consume(batch)
-        if first_crc is None:
-            first_crc = crc
-        done = window.add(len(batch), batch_nbytes(batch))
+    digest = []
+    fetch_wait = 0.0  # time the loop spent blocked in next() inside the window
+    while True:
+        asked = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        received = time.perf_counter()
+        if window.start is not None:
+            fetch_wait += received - asked
+        consume(batch)
+        done = window.add(len(batch), batch_nbytes(batch),
+                          on_first=lambda b=batch: digest.append(first_batch_digest(b)))
+        if step_s is not None and not done:
+            remaining = received + step_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)  # the step goes on, the batch still held
         del batch
         if done:
             break
@@ -263,11 +310,15 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, sample_pss: bo
         workers_alive_after_teardown=still_alive,
         workers_alive_before_start=leftover,
         loadavg_1m_at_start=load1,
-        first_batch_crc32=first_crc,
+        first_batch_crc32=digest[0] if digest else None,
+        fetch_wait_s=fetch_wait,
         **memory,
     )
     if baseline is not None:
         result["baseline_pss_bytes"] = baseline
+        result["baseline_shmem_bytes"] = baseline_shmem
+    if step_s is not None:
+        result["pace_step_s"] = step_s
     return result
 
 
@@ -283,9 +334,10 @@ class _OneThread:
         torch.set_num_threads(self.saved)
 
 
-def run_single_process(dataset, batch_size: int, min_seconds: float, reuse_batch: bool = False) -> dict:
+def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Consumer,
+                       reuse_batch: bool = False) -> dict:
     """Everything a loader does for a batch (``__getitem__`` x batch_size, ``default_collate``)
-    plus :func:`consume`, in this process on one thread: the rate one core reaches alone.
+    plus ``consume``, in this process on one thread: the rate one core reaches alone.
 
     With ``reuse_batch`` the samples are stacked into one preallocated batch tensor reused for
     every batch instead: the least work any loader must do (make the samples, copy them into
@@ -294,7 +346,7 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, reuse_batch
     load1 = os.getloadavg()[0]
     window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
     index = 0
-    first_crc = None
+    digest = []
     out = None
     with _OneThread():
         while True:
@@ -307,25 +359,25 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, reuse_batch
                 batch = default_collate(samples)
             del samples
             index += batch_size
-            crc = consume(batch)
-            if first_crc is None:
-                first_crc = crc
-            done = window.add(len(batch), batch_nbytes(batch))
+            consume(batch)
+            done = window.add(len(batch), batch_nbytes(batch),
+                              on_first=lambda b=batch: digest.append(first_batch_digest(b)))
             del batch
             if done:
                 break
-    return {**window.result(), "loadavg_1m_at_start": load1, "first_batch_crc32": first_crc}
+    return {**window.result(), "loadavg_1m_at_start": load1, "first_batch_crc32": digest[0]}
 
 
-def run_consume_only(dataset, batch_size: int, min_seconds: float) -> dict:
-    """:func:`consume` alone over one batch already in memory: the rate the training loop's own
-    reading allows, the ceiling for any loader."""
+def run_consume_only(dataset, batch_size: int, min_seconds: float, consume: Consumer) -> dict:
+    """``consume`` alone over one batch already in memory, on one thread: the rate the training
+    loop's own reading allows, the ceiling for any loader."""
     gc.collect()
     load1 = os.getloadavg()[0]
     batch = default_collate([dataset[i] for i in range(batch_size)])
     window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
-    while not window.add(len(batch), batch_nbytes(batch)):
-        consume(batch)
+    with _OneThread():
+        while not window.add(len(batch), batch_nbytes(batch)):
+            consume(batch)
     result = window.result()
     result["first_batch_s"] = None  # nothing is loaded
     return {**result, "loadavg_1m_at_start": load1}

@@ -2,35 +2,62 @@
 
 from __future__ import annotations
 
-METHOD = {
-    "interleaving": "per case: one untimed warm-up repetition of every arm, then --reps rounds "
-    "of (torch, fastmm, reference arms) back to back, then --mem-reps rounds of (torch, fastmm) "
-    "with the PSS sampler on",
-    "fresh_loader_per_rep": True,
-    "first_batch_s": "from just before DataLoader(...) is constructed until its first batch has "
-    "been consumed (worker start-up included)",
-    "throughput_window": "opens after the first num_workers batches (one per worker) have been "
-    "consumed; closes at the first batch boundary after --min-seconds where the window holds a "
-    "whole number of rounds (a multiple of num_workers batches); only batches inside it count",
-    "consumer": "zlib.crc32 over every byte of each batch (its numpy view)",
-    "pss": "psutil memory_full_info().pss of the main process + all descendants, summed, every "
-    "50 ms (or back to back when a sweep takes longer) from a thread started right after "
-    "iter(loader); peak over the repetition; '+over idle' subtracts the main process's PSS just "
-    "before the loader was built. Only in memory repetitions: one sweep costs tens of ms of CPU "
-    "per process, which would perturb timed runs",
-    "cpu_ms_per_sample": "user+system CPU of the main process and its workers during the window, "
-    "per sample",
-    "other_processes_cpu_cores": "machine-wide busy CPU minus this benchmark's own, during the "
-    "window, in cores (a busy machine shows up here)",
-    "statistics": "median over timed repetitions, min..max, percentile-bootstrap 95% CI of the "
-    "median; ratio = median(fastmm) / median(torch), paired ratios = rep i / rep i",
-    "decode_limit": "L = usable cores x single-thread rate of the same __getitem__ measured in "
-    "the same run",
-    "transport_ceiling": "the CRC-alone rate: the loop reads every byte of every batch on one "
-    "core, so no loader can deliver faster; single-process and single-reuse show what one core "
-    "does with all the work (x cores is a rough two-core figure, not a bound: fresh-memory page "
-    "faults and allocator state weigh differently in one process than in workers)",
-}
+from .workloads import CONSUMERS
+
+
+def method(consume: str) -> dict:
+    """How each figure is defined, for the results JSON (``consume``: the consumer's name)."""
+    return {
+        "interleaving": "per case: one untimed warm-up repetition of every arm, then --reps rounds "
+        "of (torch, fastmm, reference arms) back to back, then --mem-reps rounds of (torch, "
+        "fastmm at full speed; torch, fastmm paced) with the PSS sampler on",
+        "fresh_loader_per_rep": True,
+        "seed": "every loader is built right after torch.manual_seed(--seed), so torch and fastmm "
+        "draw the same base seed and their workers' random transforms agree",
+        "first_batch_s": "from just before DataLoader(...) is constructed until its first batch "
+        "has been consumed (worker start-up included)",
+        "throughput_window": "opens after the first num_workers batches (one per worker) have been "
+        "consumed; closes at the first batch boundary after --min-seconds where the window holds a "
+        "whole number of rounds (a multiple of num_workers batches); only batches inside it count",
+        "consumer": CONSUMERS[consume][1] + "; the loop's only work per batch",
+        "first_batch_digest": "zlib.crc32 of each repetition's first batch, computed after "
+        "first_batch_s is taken and before the window opens (in neither figure); torch's and "
+        "fastmm's must be equal in every repetition (first_batch_identical)",
+        "fetch_wait_s": "time the loop spent blocked in next(iterator) inside the window",
+        "shmem": "Shmem of /proc/meminfo (tmpfs, /dev/shm, memfd pages on the whole machine, "
+        "mapped or not), sampled with each PSS sweep, peak minus the value before the loader was "
+        "built: PSS misses shared-memory pages no process maps, such as a torch batch segment "
+        "whose fd is in flight from a worker to the main process; other processes' shared memory "
+        "would show up here too",
+        "pss": "psutil memory_full_info().pss of the main process + all descendants, summed, every "
+        "50 ms (or back to back when a sweep takes longer) from a thread started right after "
+        "iter(loader); peak over the repetition; '+over idle' subtracts the PSS just before the "
+        "loader was built. Only in memory repetitions: one sweep costs tens of ms of CPU per "
+        "process, which would perturb timed runs",
+        "memory_conditions": "max-throughput memory repetitions run the loop as fast as each "
+        "loader delivers (a faster loader keeps fuller prefetch buffers, so speed and memory mix); "
+        "paced memory repetitions make every loop step (consume, then sleep holding the batch) "
+        "last step = pace_factor x torch's median batch interval in the timed repetitions of the "
+        "case (batch_size / median samples/s), the same for both loaders, so both are "
+        "consumer-bound with full prefetch buffers and the peak is the loader's own overhead; "
+        "kept_pace says whether, in every paced repetition of a loader, the loop waited for "
+        "batches (fetch_wait_s) at most 1 - kept_pace_fraction of the window",
+        "memory_target": "fastmm's peak PSS no higher than torch's: met when fastmm's median peak "
+        "PSS over idle is <= torch's, judged per condition; met_on_total compares peak total PSS",
+        "cpu_ms_per_sample": "user+system CPU of the main process and its workers during the "
+        "window, per sample",
+        "other_processes_cpu_cores": "machine-wide busy CPU minus this benchmark's own, during the "
+        "window, in cores (a busy machine shows up here)",
+        "statistics": "median over timed repetitions, min..max, percentile-bootstrap 95% CI of the "
+        "median; ratio = median(fastmm) / median(torch), paired ratios = rep i / rep i",
+        "decode_limit": "L = usable cores x single-thread rate of the same __getitem__ measured in "
+        "the same run",
+        "transport_ceiling": "the consume-alone rate (the consumer over one batch already in "
+        "memory, one thread): the loop reads every byte of every batch on one core, so no loader "
+        "can deliver faster; single-process and single-reuse show what one core does with all the "
+        "work (x cores is a rough two-core figure, not a bound: fresh-memory page faults and "
+        "allocator state weigh differently in one process than in workers)",
+    }
 
 
 def _rate(s: dict | None, scale: float = 1.0, digits: int = 0) -> str:
@@ -58,21 +85,92 @@ def _rows(case: dict) -> list[list[str]]:
                 f"{rate['median'] / torch_rate:.2f}x" if rate and torch_rate else "-",
                 _rate(a["first_batch_s"], digits=2),
                 _pss(a),
+                _pss(a, "paced_"),
                 _one(a["cpu_ms_per_sample"], 1.0, 2),
             ]
         )
     return rows
 
 
-def _pss(arm: dict) -> str:
-    peak, added = arm["peak_total_pss_bytes"], arm["peak_pss_over_baseline_bytes"]
+def _pss(arm: dict, prefix: str = "") -> str:
+    peak, added = arm[prefix + "peak_total_pss_bytes"], arm[prefix + "peak_pss_over_baseline_bytes"]
     if not peak:
         return "-"
     return f"{peak['median'] / 2**20:.0f} (+{added['median'] / 2**20:.0f})"
 
 
 HEADER = ["arm", "samples/s median [min-max]", "GB/s", "vs torch", "first batch s",
-          "peak PSS MiB (+over idle)", "CPU ms/sample"]
+          "peak PSS MiB (+over idle), full speed", "peak PSS MiB (+over idle), paced",
+          "CPU ms/sample"]
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.0f}"
+
+
+def _memory_notes(case: dict) -> list[str]:
+    memory = case["summary"].get("memory")
+    if not memory:
+        return []
+    notes = []
+    conditions = [("max_throughput", "at full speed")]
+    if memory["paced_step_s"]:
+        lagging = [name for name in ("torch", "fastmm") if memory["kept_pace"].get(name) is False]
+        conditions.append(
+            (
+                "paced",
+                f"paced ({memory['paced_step_s'] * 1e3:.0f} ms/step = {memory['pace_factor']:g} x "
+                f"torch's median batch interval, {memory['paced_target_samples_per_s']:.0f} samples/s; "
+                + (
+                    f"{' and '.join(lagging)} made the loop wait for batches more than "
+                    f"{1 - memory['kept_pace_fraction']:.0%} of the window in some repetition: "
+                    "buffers not always full"
+                    if lagging
+                    else "both kept pace: the loop waited for batches < "
+                    f"{1 - memory['kept_pace_fraction']:.0%} of the window"
+                )
+                + ")",
+            )
+        )
+    for key, label in conditions:
+        c = memory[key]
+        if not c:
+            continue
+        ratio = c["ratio_over_baseline_fastmm_over_torch"]
+        text = (
+            f"peak PSS {label}: torch {_mib(c['torch_peak_total_pss_bytes'])} MiB "
+            f"(+{_mib(c['torch_peak_pss_over_baseline_bytes'])} over idle), fastmm "
+            f"{_mib(c['fastmm_peak_total_pss_bytes'])} MiB "
+            f"(+{_mib(c['fastmm_peak_pss_over_baseline_bytes'])}); fastmm/torch over idle "
+            f"{f'{ratio:.2f}x' if ratio is not None else '-'}; target (fastmm's peak PSS no higher "
+            f"than torch's): {'met' if c['met'] else 'NOT met'}"
+        )
+        if c["met"] != c["met_on_total"]:
+            text += f" (on peak total PSS: {'met' if c['met_on_total'] else 'NOT met'})"
+        rates = (c["torch_samples_per_s"], c["fastmm_samples_per_s"])
+        if None not in rates:
+            text += f"; loop rate with the sampler on: torch {rates[0]:.0f}/s, fastmm {rates[1]:.0f}/s"
+        shm = (c["torch_peak_shmem_over_baseline_bytes"], c["fastmm_peak_shmem_over_baseline_bytes"])
+        if None not in shm:
+            text += (f"; machine-wide shared memory (Shmem, incl. segments no process maps) peak "
+                     f"over idle: torch +{_mib(shm[0])} MiB, fastmm +{_mib(shm[1])} MiB")
+        notes.append(text)
+    return notes
+
+
+def _digest_note(case: dict) -> str:
+    s = case["summary"]
+    digests = s["first_batch_crc32"]
+    if s["first_batch_identical"]:
+        n = sum(len(case["arms"][name]["reps"]) for name in ("torch", "fastmm"))
+        return (f"first batch: torch and fastmm agree (CRC-32 {digests['torch'][0]:08x} in all {n} "
+                "loader repetitions)")
+
+    def text(values):
+        return ", ".join("none" if d is None else f"{d:08x}" for d in values)
+
+    return (f"WARNING: first batches differ: torch CRC-32 {text(digests['torch'])}; fastmm "
+            f"{text(digests['fastmm'])}")
 
 
 def _notes(case: dict) -> list[str]:
@@ -88,9 +186,10 @@ def _notes(case: dict) -> list[str]:
     if "ceiling" in s:
         c = s["ceiling"]
         notes.append(
-            f"ceiling (the loop's CRC alone, one core) {c['crc_alone_samples_per_s']:.0f}/s: torch at "
-            f"{c['torch_fraction_of_ceiling']:.0%}, fastmm at {c['fastmm_fraction_of_ceiling']:.0%}; "
-            f"no loader can beat torch by more than {c['highest_possible_ratio_over_torch']:.2f}x here"
+            f"ceiling (the loop's consumer alone, one core) {c['consume_alone_samples_per_s']:.0f}/s: "
+            f"torch at {c['torch_fraction_of_ceiling']:.0%}, fastmm at "
+            f"{c['fastmm_fraction_of_ceiling']:.0%}; no loader can beat torch by more than "
+            f"{c['highest_possible_ratio_over_torch']:.2f}x here"
         )
         notes.append(
             f"one core alone: single-process {c['single_process_samples_per_s']:.0f}/s "
@@ -98,8 +197,6 @@ def _notes(case: dict) -> list[str]:
             f"{c['single_reuse_samples_per_s']:.0f}/s (x{c['cores']} = "
             f"{c['cores_x_single_reuse_samples_per_s']:.0f}/s)"
         )
-        if not s.get("first_batch_identical", True):
-            notes.append("WARNING: the loaders' first batches differ (CRC-32 mismatch)")
     if "decode_limit" in s:
         d = s["decode_limit"]
         notes.append(
@@ -107,6 +204,8 @@ def _notes(case: dict) -> list[str]:
             f"{d['limit_samples_per_s']:.0f}/s: torch at {d['torch_fraction_of_limit']:.0%} of L, "
             f"fastmm at {d['fastmm_fraction_of_limit']:.0%}"
         )
+    notes += _memory_notes(case)
+    notes.append(_digest_note(case))
     other = s.get("other_processes_cpu_cores_max")
     if other is not None:
         busy = s.get("busy_timed_reps", 0)
@@ -144,7 +243,8 @@ def text(results: dict) -> str:
         f"fastmm-bench  {env['timestamp_utc']}  {env['cpu_model']} x{env['cpu_count_usable']}  "
         f"torch {env['versions']['torch']}  C++ path: {env['fastmm_uses_cpp']}",
         f"{st['reps']} timed reps per arm (>= {st['min_seconds']} s each) after 1 warm-up, "
-        f"{st['mem_reps']} memory rep(s) per loader",
+        f"{st['mem_reps']} full-speed + {st['mem_reps']} paced memory rep(s) per loader; "
+        f"consumer {st['consume']}",
     ]
     for case in results["cases"]:
         out += ["", _case_title(case), _table(_rows(case), markdown=False)]
@@ -157,7 +257,9 @@ def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoad
     st = results["settings"]
     git = env["git"]
     commit = git["commit"] or "unknown"
-    dirty = " (with uncommitted changes)" if git.get("dirty") else ""
+    dirty = (
+        f" (with uncommitted changes to {', '.join(git['changed_files'])})" if git.get("dirty") else ""
+    )
     out = [
         f"# {title}",
         "",
@@ -175,9 +277,14 @@ def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoad
         "",
         f"Method: {st['reps']} timed repetitions per arm (window >= {st['min_seconds']} s, opened "
         "after the first batch of every worker), interleaved torch, fastmm, references, after one "
-        f"untimed warm-up; fresh DataLoader per repetition; {st['mem_reps']} extra repetition(s) "
-        "per loader with the 50 ms PSS sampler on (peak PSS comes from those). Figures are "
-        "medians with [min-max]; the JSON has every repetition.",
+        "untimed warm-up; fresh DataLoader per repetition, built right after "
+        f"torch.manual_seed({st['seed']}). Loop consumer: {CONSUMERS[st['consume']][1]}. Peak "
+        f"PSS comes from {st['mem_reps']} extra repetition(s) per loader and condition with the "
+        "50 ms PSS sampler on: at full speed (each loader as fast as it goes) and paced (every "
+        f"loop step, consume then sleep holding the batch, lasts {st['pace_factor']:g} x torch's "
+        "median batch interval from the timed repetitions, the same for both loaders, so both "
+        "are consumer-bound with full prefetch buffers). Figures are medians with [min-max]; the "
+        "JSON has every repetition.",
     ]
     for case in results["cases"]:
         out += ["", f"## {case['name']}", "", _case_title(case), "", _table(_rows(case), markdown=True), ""]
