@@ -221,7 +221,7 @@ class SlabRing:
             key = (worker_id, slab_id)
             view = memoryview(self._maps[key])
             self._held[key] = True
-            weakref.finalize(view, self._on_release, key)
+            weakref.finalize(view, self._on_release, key).atexit = False
             views[slab_id] = view
         return views
 
