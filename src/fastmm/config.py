@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 
 class ConfigError(ValueError):
@@ -51,4 +52,54 @@ class TransportConfig:
         return cls(
             pure_python=_env_bool("FASTMM_PURE_PYTHON", False),
             shm_dir=_env_dir("FASTMM_SHM_DIR", "/dev/shm"),
+        )
+
+
+SOURCE_KINDS = ("posix", "staged", "shards")
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={raw!r} is not a valid choice; use one of {choices}")
+    return value
+
+
+def _env_new_dir(name: str) -> str | None:
+    """A directory fastmm may create: it exists, or its parent does."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    if not (os.path.isdir(raw) or os.path.isdir(os.path.dirname(os.path.abspath(raw)))):
+        raise ConfigError(
+            f"{name}={raw!r} is neither an existing directory nor inside one; use a directory path"
+        )
+    return raw
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Which storage source to open and where the staged source keeps its local copy."""
+
+    kind: Literal["posix", "staged", "shards"] = "posix"  # FASTMM_SOURCE: one of SOURCE_KINDS
+    stage_dir: str | None = None  # FASTMM_STAGE_DIR: local (NVMe) directory for staged copies
+
+    @classmethod
+    def from_env(cls) -> "SourceConfig":
+        return cls(
+            kind=_env_choice("FASTMM_SOURCE", "posix", SOURCE_KINDS),
+            stage_dir=_env_new_dir("FASTMM_STAGE_DIR"),
+        )
+
+    @classmethod
+    def resolve(cls, *, kind: str | None = None, stage_dir: str | None = None) -> "SourceConfig":
+        """Explicit arguments win; the environment is read only for what is not given."""
+        if kind is not None and kind not in SOURCE_KINDS:
+            raise ValueError(f"unknown source kind {kind!r}; use one of {SOURCE_KINDS}")
+        return cls(
+            kind=kind if kind is not None else _env_choice("FASTMM_SOURCE", "posix", SOURCE_KINDS),
+            stage_dir=stage_dir if stage_dir is not None else _env_new_dir("FASTMM_STAGE_DIR"),
         )

@@ -1,0 +1,43 @@
+"""Storage sources: where sample bytes come from (a posix tree or manifest, a staged local copy,
+WebDataset tar shards). Sources deal in bytes only; decoding happens elsewhere.
+
+Every source has ``keys()``, ``len()``, ``read(index) -> Sample`` and
+``iter_samples(rank, world_size, worker, num_workers)``; ``open_source`` picks one by name.
+"""
+
+from __future__ import annotations
+
+from ..config import SourceConfig
+from .base import Problem, Sample, Source, SourceError, slot_of
+from .posix import PosixSource
+from .shards import ShardSource, write_shards
+from .staged import StagedSource, write_file_manifest
+
+SOURCES: dict[str, type[Source]] = {
+    "posix": PosixSource,
+    "staged": StagedSource,
+    "shards": ShardSource,
+}
+
+
+def open_source(kind: str | None, root, **options) -> Source:
+    """Open a source by name; ``kind=None`` means FASTMM_SOURCE, else "posix"."""
+    # stage_dir is the staged source's own business; "" keeps resolve from reading it here
+    kind = SourceConfig.resolve(kind=kind, stage_dir="").kind
+    return SOURCES[kind](root, **options)
+
+
+__all__ = [
+    "PosixSource",
+    "Problem",
+    "SOURCES",
+    "Sample",
+    "ShardSource",
+    "Source",
+    "SourceError",
+    "StagedSource",
+    "open_source",
+    "slot_of",
+    "write_file_manifest",
+    "write_shards",
+]

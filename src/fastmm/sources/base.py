@@ -1,0 +1,122 @@
+"""What every storage source shares: the Sample, the error type, the bad-input policy, splitting.
+
+Sources deal in bytes only: they never import torch or the decode/slabs/collate modules, so a
+source can be tested, pickled into workers and reused without a tensor library.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Literal, NamedTuple
+
+OnError = Literal["raise", "skip"]
+
+# A member name splits at the first dot of its last path component, as webdataset's
+# base_plus_ext does ("a/b.seg.png" -> key "a/b", ext "seg.png"), so both group alike.
+_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample: ``members`` maps an extension ("jpg", "txt", ...) to raw bytes.
+
+    ``origin`` says where it came from: a path, or ``"<shard path>:<byte offset>"``."""
+
+    key: str
+    members: dict[str, bytes]
+    origin: str
+
+
+class SourceError(ValueError):
+    """Bad input met by a source; ``reason`` is the counter name used by on_error="skip"."""
+
+    def __init__(self, reason: str, key: str, origin: str, message: str):
+        super().__init__(f"{reason}: {message} (key={key!r}, origin={origin})")
+        self.reason, self.key, self.origin = reason, key, origin
+
+
+class Problem(NamedTuple):
+    reason: str
+    key: str
+    origin: str
+    message: str
+
+
+def split_name(name: str) -> tuple[str, str] | tuple[None, None]:
+    """Key and lower-cased extension of a member name, or (None, None) if it has no extension."""
+    m = _NAME.match(name)
+    if not m:
+        return None, None
+    return m.group(1), m.group(2).lower()
+
+
+def unsafe_name(name: str) -> bool:
+    """True for names that could point outside a root: absolute, ``..`` parts, NUL, empty."""
+    if not name or "\0" in name or name.startswith("/") or "\\" in name:
+        return True
+    return any(part == ".." for part in name.split("/"))
+
+
+def check_split(rank: int, world_size: int, worker: int, num_workers: int) -> None:
+    if (
+        world_size < 1
+        or num_workers < 1
+        or not 0 <= rank < world_size
+        or not 0 <= worker < num_workers
+    ):
+        raise ValueError(
+            f"need 0 <= rank < world_size and 0 <= worker < num_workers; got rank={rank}, "
+            f"world_size={world_size}, worker={worker}, num_workers={num_workers}"
+        )
+
+
+def slot_of(i: int, world_size: int, num_workers: int) -> tuple[int, int]:
+    """(rank, worker) that item ``i`` (a shard, or a posix sample) goes to.
+
+    Same order as webdataset's split_by_node then split_by_worker: rank ``i % world_size``,
+    then worker ``(i // world_size) % num_workers``; every item goes to exactly one pair."""
+    return i % world_size, (i // world_size) % num_workers
+
+
+class Source:
+    """Base of all sources: random access by index and streaming, with one bad-input policy.
+
+    on_error="raise": bad input raises SourceError when the damaged sample is read or reached.
+    on_error="skip": damaged samples are left out of ``keys()`` and the stream, and counted in
+    ``skipped`` (reason -> count, per process); ``problems`` keeps the last ``keep_problems``
+    as (reason, key, origin, message)."""
+
+    kind = "base"
+
+    def __init__(self, *, on_error: OnError = "raise", keep_problems: int = 100, _errors=None):
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error={on_error!r}; use 'raise' or 'skip'")
+        self.on_error = on_error
+        if _errors is None:  # a staged source shares its counters with the source it wraps
+            _errors = ({}, deque(maxlen=keep_problems))
+        self.skipped: dict[str, int]
+        self.problems: deque[Problem]
+        self.skipped, self.problems = _errors
+
+    def report(self, reason: str, key: str, origin: str, message: str) -> None:
+        """Raise or count one problem, as on_error says."""
+        if self.on_error == "raise":
+            raise SourceError(reason, key, origin, message)
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.problems.append(Problem(reason, key, origin, message))
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def read(self, index: int) -> Sample:
+        raise NotImplementedError
+
+    def iter_samples(
+        self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
+    ) -> Iterator[Sample]:
+        raise NotImplementedError

@@ -1,0 +1,176 @@
+"""Samples from a directory tree (files ``<key>.<ext>`` sharing a key) or a JSON-lines manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterator, Sequence
+
+from .base import OnError, Sample, Source, check_split, slot_of, split_name, unsafe_name
+
+
+class PosixSource(Source):
+    """A directory tree or a manifest file on a POSIX file system.
+
+    Tree: every file ``<key>.<ext>`` below ``root`` (key = relative path up to the first dot of
+    the file name, as webdataset splits) joins the sample ``key``; names starting with "." are
+    ignored (they are lock, temp and index files); keys are sorted. Manifest (``root`` is a
+    file): one JSON object per line, ``{"key": ..., "members": {"jpg": "rel/path.jpg", ...}}``,
+    paths relative to the manifest's directory; samples keep the manifest's order.
+    ``required``: extensions every sample must have, else it is reported as "missing_member".
+    """
+
+    kind = "posix"
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        on_error: OnError = "raise",
+        required: Sequence[str] = (),
+        max_member_bytes: int = 1 << 31,
+        files: Sequence[str] | None = None,
+        before_open: Callable[[str], None] | None = None,
+        keep_problems: int = 100,
+        _errors=None,
+    ):
+        super().__init__(on_error=on_error, keep_problems=keep_problems, _errors=_errors)
+        self.root = os.path.abspath(root)
+        self.required = tuple(required)
+        self.max_member_bytes = max_member_bytes
+        self._manifest = os.path.isfile(self.root) or self.root.endswith((".jsonl", ".json"))
+        self._files = None if files is None else list(files)
+        self._before_open = before_open  # a staged source copies the file here first
+        self._entries: list[tuple[str, dict[str, str], str, tuple[str, str] | None]] | None = None
+
+    # -- index -------------------------------------------------------------------------------
+
+    def _index(self):
+        if self._entries is None:
+            raw = self._scan_manifest() if self._manifest else self._scan_tree()
+            entries = []
+            for key, members, origin, problem in raw:
+                if problem is None:
+                    missing = [e for e in self.required if e not in members]
+                    if missing:
+                        problem = ("missing_member", f"no {', '.join(missing)}")
+                if problem is not None and self.on_error == "skip":
+                    self.report(problem[0], key, origin, problem[1])
+                    continue
+                entries.append((key, members, origin, problem))
+            self._entries = entries
+        return self._entries
+
+    def _scan_tree(self):
+        if self._files is not None:
+            rels = sorted(self._files)
+        else:
+            rels = []
+            for dirpath, dirnames, filenames in os.walk(self.root):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                rel_dir = os.path.relpath(dirpath, self.root)
+                for name in filenames:
+                    if not name.startswith("."):
+                        rels.append(name if rel_dir == "." else f"{rel_dir}/{name}")
+            rels.sort()
+        groups: dict[str, tuple[dict[str, str], list]] = {}
+        for rel in rels:
+            key, ext = split_name(rel)
+            if key is None or os.path.basename(rel).startswith("."):
+                continue  # files without an extension are not sample members (README, LICENSE)
+            members, dup = groups.setdefault(key, ({}, []))
+            if ext in members:
+                dup.append(rel)
+            members[ext] = rel
+        for key in sorted(groups):
+            members, dup = groups[key]
+            problem = ("duplicate_member", f"{dup[0]} repeats an extension") if dup else None
+            yield key, members, os.path.join(self.root, key), problem
+
+    def _scan_manifest(self):
+        if self._before_open is not None:
+            self._before_open(self.root)
+        with open(self.root, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                origin = f"{self.root}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                    key, members = obj["key"], obj["members"]
+                    ok = (
+                        isinstance(key, str)
+                        and isinstance(members, dict)
+                        and all(
+                            isinstance(k, str) and isinstance(v, str) for k, v in members.items()
+                        )
+                    )
+                except (ValueError, KeyError, TypeError):
+                    ok, key, members = False, "", {}
+                if not ok:
+                    yield (key if isinstance(key, str) else ""), {}, origin, (
+                        "bad_manifest",
+                        "not {key: str, members: {ext: path}}",
+                    )
+                    continue
+                bad = [p for p in members.values() if unsafe_name(p)]
+                if bad:
+                    yield key, {}, origin, (
+                        "unsafe_name",
+                        f"member path {bad[0]!r} leaves the root",
+                    )
+                    continue
+                yield key, {ext.lower(): p for ext, p in members.items()}, origin, None
+
+    @property
+    def _base(self) -> str:
+        return os.path.dirname(self.root) if self._manifest else self.root
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return [e[0] for e in self._index()]
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+    def _load(self, index: int) -> tuple[Sample, tuple[str, str] | None]:
+        key, members, origin, problem = self._index()[index]
+        data: dict[str, bytes] = {}
+        if problem is None:
+            for ext, rel in members.items():
+                path = os.path.join(self._base, rel)
+                try:
+                    if self._before_open is not None:
+                        self._before_open(path)
+                    with open(path, "rb") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        if size > self.max_member_bytes:
+                            problem = ("too_large", f"{rel} is {size} bytes, over max_member_bytes")
+                            continue
+                        data[ext] = f.read()
+                except OSError as e:
+                    problem, origin = ("unreadable", f"{rel}: {e.strerror or e}"), path
+        return Sample(key, data, origin), problem
+
+    def read(self, index: int) -> Sample:
+        """The sample at ``index``; with on_error="skip" a member that cannot be read is counted
+        and left out (the sample cannot be skipped: the index is the caller's)."""
+        sample, problem = self._load(index)
+        if problem is not None:
+            self.report(problem[0], sample.key, sample.origin, problem[1])
+        return sample
+
+    def iter_samples(
+        self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
+    ) -> Iterator[Sample]:
+        """Samples in key order, split round-robin (see ``slot_of``); damaged ones are skipped
+        and counted, or raise, as on_error says."""
+        check_split(rank, world_size, worker, num_workers)
+        for i in range(len(self)):
+            if slot_of(i, world_size, num_workers) == (rank, worker):
+                sample, problem = self._load(i)
+                if problem is None:
+                    yield sample
+                else:
+                    self.report(problem[0], sample.key, sample.origin, problem[1])

@@ -1,0 +1,423 @@
+"""Tar shards in the WebDataset layout: members ``<key>.<ext>``, consecutive members with one key
+form a sample (webdataset's own grouping, so both libraries read the same samples).
+
+The tar headers are parsed here, not by ``tarfile``: we need the byte offsets for the index, we
+must notice truncation (tarfile silently stops), and nothing is ever extracted or followed.
+Nothing in a shard is unpickled; members stay raw bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import tarfile
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Literal, Sequence
+
+from .base import OnError, Sample, Source, check_split, slot_of, split_name, unsafe_name
+
+BLOCK = 512
+_ZERO = bytes(BLOCK)
+_MAX_EXT_HEADER = 1 << 20  # a pax or GNU long-name header larger than this is garbage
+
+
+@dataclass
+class Member:
+    """One tar header: ``kind`` is "file", "dir", "link" (sym/hard) or "special" (device, fifo)."""
+
+    name: str | None
+    kind: str
+    header_offset: int
+    data_offset: int
+    size: int
+    data: bytes | None = None
+    problem: tuple[str, str] | None = None
+
+
+def _num(field_: bytes) -> int:
+    if field_[:1] in (b"\x80", b"\xff"):  # GNU base-256 for sizes over 8 GiB
+        n = int.from_bytes(field_[1:], "big")
+        return -n if field_[:1] == b"\xff" else n
+    text = field_.split(b"\0", 1)[0].strip(b" \0")
+    return int(text, 8) if text else 0
+
+
+def _str(field_: bytes) -> str:
+    return field_.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _pax(data: bytes) -> dict[str, str]:
+    out, pos = {}, 0
+    while pos < len(data):
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        pos += length
+    return out
+
+
+def iter_members(f, *, read_data: bool, max_member_bytes: int = 1 << 31) -> Iterator[Member]:
+    """Headers of a seekable tar file in order; stops at the end marker or the first damage.
+
+    Damage is reported as a Member with ``problem`` set ("truncated", "bad_header") and is
+    always the last one. Data is read only for regular files within ``max_member_bytes``."""
+    file_size = os.fstat(f.fileno()).st_size
+    pos, long_name, pax = 0, None, {}
+    while True:
+        f.seek(pos)
+        block = f.read(BLOCK)
+        if len(block) < BLOCK:  # every writer ends with zero blocks; their absence means a cut
+            yield Member(
+                None,
+                "file",
+                pos,
+                pos,
+                0,
+                problem=("truncated", "archive ends without an end marker"),
+            )
+            return
+        if block == _ZERO:
+            return
+        try:
+            stored = _num(block[148:156])
+            size = _num(block[124:136])
+        except ValueError:
+            stored, size = -1, 0
+        unsigned = sum(block[:148]) + 256 + sum(block[156:])
+        signed = (
+            sum(struct.unpack("148b8x356b", block)) + 256
+        )  # some old writers summed signed bytes
+        if stored not in (unsigned, signed) or size < 0:
+            yield Member(
+                None, "file", pos, pos, 0, problem=("bad_header", "header checksum does not match")
+            )
+            return
+        typeflag = block[156:157]
+        name = _str(block[:100])
+        if block[257:263] == b"ustar\x00" and block[345:346] != b"\0":
+            name = _str(block[345:500]) + "/" + name
+        size = int(pax.get("size", size)) if typeflag not in (b"x", b"g") else size
+        data_offset = pos + BLOCK
+        pos = data_offset + (size + BLOCK - 1) // BLOCK * BLOCK
+        if typeflag in (b"x", b"g", b"L", b"K"):  # extended headers describe the next member
+            if size > _MAX_EXT_HEADER or data_offset + size > file_size:
+                yield Member(
+                    None,
+                    "file",
+                    data_offset - BLOCK,
+                    data_offset,
+                    size,
+                    problem=("bad_header", "oversized or cut extended header"),
+                )
+                return
+            f.seek(data_offset)
+            ext = f.read(size)
+            if typeflag == b"x":
+                try:
+                    pax = _pax(ext)
+                except ValueError:
+                    yield Member(
+                        None,
+                        "file",
+                        data_offset - BLOCK,
+                        data_offset,
+                        size,
+                        problem=("bad_header", "malformed pax header"),
+                    )
+                    return
+            elif typeflag == b"L":
+                long_name = _str(ext)
+            continue
+        name = pax.get("path", long_name or name)
+        long_name, pax = None, {}
+        kind = {
+            b"0": "file",
+            b"\0": "file",
+            b"7": "file",
+            b"5": "dir",
+            b"1": "link",
+            b"2": "link",
+        }.get(typeflag, "special")
+        m = Member(name, kind, data_offset - BLOCK, data_offset, size)
+        if data_offset + size > file_size:
+            m.problem = (
+                "truncated",
+                f"{name} needs {size} bytes, {max(0, file_size - data_offset)} left",
+            )
+            yield m
+            return
+        if kind == "file" and size > max_member_bytes:
+            m.problem = (
+                "too_large",
+                f"{name} is {size} bytes, over max_member_bytes={max_member_bytes}",
+            )
+        elif read_data and kind == "file":
+            f.seek(data_offset)
+            m.data = f.read(size)
+        yield m
+
+
+@dataclass
+class _Entry:
+    key: str
+    offset: int
+    members: list = field(default_factory=list)  # (ext, data_offset, size, data or None)
+    problem: tuple[str, str] | None = None
+
+
+def _group(members: Iterable[Member]) -> Iterator[_Entry]:
+    """Consecutive members sharing a key form one entry; a bad member marks its entry damaged."""
+    cur: _Entry | None = None
+    for m in members:
+        if m.kind == "dir" and m.problem is None:
+            continue
+        key, ext = split_name(m.name) if m.name is not None else (None, None)
+        problem = m.problem
+        if problem is None:
+            if m.kind != "file":
+                problem = (
+                    "not_a_file",
+                    f"{m.name} is a {m.kind}; links and devices are not followed",
+                )
+            elif unsafe_name(m.name):
+                problem = ("unsafe_name", f"member name {m.name!r}")
+            elif key is None:
+                problem = ("bad_name", f"{m.name!r} has no extension")
+        if m.name is None and cur is not None:
+            key = cur.key  # a cut or garbled header damages the sample it interrupts
+        elif key is None:
+            key = m.name or ""
+        if cur is None or key != cur.key:
+            if cur is not None:
+                yield cur
+            cur = _Entry(key, m.header_offset)
+        if problem is not None:
+            cur.problem = cur.problem or problem
+        elif any(e == ext for e, *_ in cur.members):
+            cur.problem = cur.problem or ("duplicate_member", f"{m.name} repeats an extension")
+        else:
+            cur.members.append((ext, m.data_offset, m.size, m.data))
+    if cur is not None:
+        yield cur
+
+
+class ShardSource(Source):
+    """WebDataset-layout tar shards: ``root`` is a directory (its ``*.tar``, sorted), one
+    ``.tar`` file, or a list of them.
+
+    Random access (``keys``/``read``) uses an offset index built by one header scan per shard,
+    kept in memory, or with ``index_cache="beside"`` also in ``.<shard>.fastmm-idx.json`` next
+    to the shard (reused while the shard's size and mtime match). ``iter_samples`` reads shards
+    sequentially without the index; whole shards go round-robin to (rank, worker) pairs in
+    webdataset's order (see ``slot_of``)."""
+
+    kind = "shards"
+
+    def __init__(
+        self,
+        root: str | Sequence[str],
+        *,
+        on_error: OnError = "raise",
+        required: Sequence[str] = (),
+        max_member_bytes: int = 1 << 31,
+        index_cache: Literal["memory", "beside"] = "memory",
+        before_open: Callable[[str], None] | None = None,
+        keep_problems: int = 100,
+        _errors=None,
+    ):
+        super().__init__(on_error=on_error, keep_problems=keep_problems, _errors=_errors)
+        if isinstance(root, (list, tuple)):
+            self.shards = [os.path.abspath(p) for p in root]
+        elif os.path.isdir(root):
+            self.shards = sorted(
+                os.path.join(os.path.abspath(root), n)
+                for n in os.listdir(root)
+                if n.endswith(".tar") and not n.startswith(".")
+            )
+        else:
+            self.shards = [os.path.abspath(root)]
+        if index_cache not in ("memory", "beside"):
+            raise ValueError(f"index_cache={index_cache!r}; use 'memory' or 'beside'")
+        self.required = tuple(required)
+        self.max_member_bytes = max_member_bytes
+        self.index_cache = index_cache
+        self._before_open = before_open
+        self._entries: list[tuple[int, str, int, list, tuple | None]] | None = None
+
+    def _damage(self, entry: _Entry) -> tuple[str, str] | None:
+        if entry.problem is None:
+            missing = [e for e in self.required if not any(x == e for x, *_ in entry.members)]
+            if missing:
+                return ("missing_member", f"no {', '.join(missing)}")
+        return entry.problem
+
+    def _open(self, shard: str):
+        if self._before_open is not None:
+            self._before_open(shard)
+        return open(shard, "rb", buffering=1 << 20)
+
+    def _scan(self, shard: str) -> list:
+        cache = os.path.join(os.path.dirname(shard), f".{os.path.basename(shard)}.fastmm-idx.json")
+        with self._open(shard) as f:
+            st = os.fstat(f.fileno())
+            stamp = [st.st_size, st.st_mtime_ns, self.max_member_bytes]
+            if self.index_cache == "beside":
+                try:
+                    with open(cache, encoding="utf-8") as c:
+                        saved = json.load(c)
+                    if saved["stamp"] == stamp:
+                        return saved["entries"]
+                except (OSError, ValueError, KeyError):
+                    pass
+            entries = [
+                [e.key, e.offset, [m[:3] for m in e.members], e.problem]
+                for e in _group(
+                    iter_members(f, read_data=False, max_member_bytes=self.max_member_bytes)
+                )
+            ]
+        if self.index_cache == "beside":
+            try:  # a read-only shard directory just means the index stays in memory
+                tmp = f"{cache}.{os.getpid()}.tmp"
+                with open(tmp, "w", encoding="utf-8") as c:
+                    json.dump({"stamp": stamp, "entries": entries}, c)
+                os.replace(tmp, cache)
+            except OSError:
+                pass
+        return entries
+
+    def _index(self):
+        if self._entries is None:
+            out = []
+            for s, shard in enumerate(self.shards):
+                for key, offset, members, problem in self._scan(shard):
+                    problem = self._damage(
+                        _Entry(key, offset, members, tuple(problem) if problem else None)
+                    )
+                    if problem is not None and self.on_error == "skip":
+                        self.report(problem[0], key, f"{shard}:{offset}", problem[1])
+                        continue
+                    out.append((s, key, offset, members, problem))
+            self._entries = out
+        return self._entries
+
+    def keys(self) -> list[str]:
+        return [e[1] for e in self._index()]
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+    def read(self, index: int) -> Sample:
+        """One sample by index: one seek and one read spanning its members."""
+        s, key, offset, members, problem = self._index()[index]
+        origin = f"{self.shards[s]}:{offset}"
+        if problem is not None:
+            self.report(problem[0], key, origin, problem[1])
+            return Sample(key, {}, origin)
+        if not members:
+            return Sample(key, {}, origin)
+        start = members[0][1]
+        end = max(off + size for _, off, size in members)
+        with self._open(self.shards[s]) as f:
+            f.seek(start)
+            blob = f.read(end - start)
+        if len(blob) < end - start:
+            self.report("truncated", key, origin, "shard is shorter than when it was indexed")
+            return Sample(key, {}, origin)
+        return Sample(
+            key, {ext: blob[off - start : off - start + size] for ext, off, size in members}, origin
+        )
+
+    def shards_for(
+        self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
+    ) -> list[str]:
+        """The shards (rank, worker) streams: shard ``i`` goes to ``slot_of(i, ...)``."""
+        check_split(rank, world_size, worker, num_workers)
+        return [
+            p
+            for i, p in enumerate(self.shards)
+            if slot_of(i, world_size, num_workers) == (rank, worker)
+        ]
+
+    def iter_samples(
+        self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
+    ) -> Iterator[Sample]:
+        """Sequential read of this pair's shards; damaged samples are skipped and counted, or
+        raise when reached, as on_error says. Samples before a truncation still come out."""
+        for shard in self.shards_for(rank, world_size, worker, num_workers):
+            try:
+                f = self._open(shard)
+            except OSError as e:
+                self.report("unreadable", "", shard, str(e))
+                continue
+            with f:
+                for entry in _group(
+                    iter_members(f, read_data=True, max_member_bytes=self.max_member_bytes)
+                ):
+                    origin = f"{shard}:{entry.offset}"
+                    problem = self._damage(entry)
+                    if problem is None:
+                        yield Sample(
+                            entry.key, {ext: data for ext, _, _, data in entry.members}, origin
+                        )
+                    else:
+                        self.report(problem[0], entry.key, origin, problem[1])
+
+
+def write_shards(
+    samples: Iterable[Sample | tuple[str, dict[str, bytes]]],
+    out_dir: str,
+    *,
+    max_bytes: int | None = None,
+    max_count: int | None = None,
+    prefix: str = "shard",
+) -> list[str]:
+    """Write samples as WebDataset tar shards ``<prefix>-000000.tar``, ... and return their paths.
+
+    Deterministic (members sorted by extension, mtime 0, owner root, mode 0444), so the same
+    samples give the same bytes. A new shard starts when the next sample would pass ``max_bytes``
+    of tar data or ``max_count`` samples. Each shard appears atomically (temp name, rename)."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths: list[str] = []
+    state: dict = {}
+
+    def close():
+        if state.get("tar") is not None:
+            state["tar"].close()
+            state["file"].close()
+            os.replace(state["tmp"], paths[-1])
+            state["tar"] = None
+
+    def start():
+        paths.append(os.path.join(out_dir, f"{prefix}-{len(paths):06d}.tar"))
+        state["tmp"] = os.path.join(out_dir, f".{os.path.basename(paths[-1])}.tmp")
+        state["file"] = open(state["tmp"], "wb")
+        state["tar"] = tarfile.open(fileobj=state["file"], mode="w", format=tarfile.PAX_FORMAT)
+        state["count"], state["bytes"] = 0, 0
+
+    for item in samples:
+        key, members = (item.key, item.members) if isinstance(item, Sample) else item
+        if split_name(f"{key}.x") != (key, "x") or unsafe_name(key):
+            raise ValueError(
+                f"key {key!r} cannot be a shard key (no dot in its last part, no '..', not absolute)"
+            )
+        if not members or any(not e or "/" in e for e in members):
+            raise ValueError(f"sample {key!r} needs members with non-empty extensions without '/'")
+        size = sum(BLOCK + (len(v) + BLOCK - 1) // BLOCK * BLOCK for v in members.values())
+        if (
+            state.get("tar") is None
+            or (max_count and state["count"] >= max_count)
+            or (max_bytes and state["count"] and state["bytes"] + size > max_bytes)
+        ):
+            close()
+            start()
+        for ext in sorted(members):
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mtime, info.mode = len(members[ext]), 0, 0o444
+            state["tar"].addfile(info, io.BytesIO(bytes(members[ext])))
+        state["count"] += 1
+        state["bytes"] += size
+    close()
+    return paths

@@ -1,0 +1,414 @@
+"""Copy a slow source (a mount, or an HTTP URL) to a local staging directory, then read it there.
+
+Every file lands atomically (temporary name, verified size and sha256, then ``os.replace``), so a
+reader never sees half a file; ``fcntl.flock`` locks in the staging directory let several ranks of
+a node stage at once and copy each file once (the others wait); the time and bytes spent are kept
+in ``staging_cost`` so studies can charge them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from ..config import SourceConfig
+from .base import OnError, Sample, Source, SourceError, unsafe_name
+from .posix import PosixSource
+from .shards import ShardSource, iter_members
+
+MANIFEST = ".fastmm-files.jsonl"  # {"path", "size", "sha256"} per line; needed for HTTP roots
+META = ".fastmm-stage"  # locks, records and temporary files inside the staging directory
+_CHUNK = 1 << 20
+_LOCKS = 64  # files hash to this many lock files: parallel enough, and no lock file per file
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str
+    size: int
+    sha256: str | None = None
+    mtime_ns: int | None = None
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _walk(root: str) -> Iterator[str]:
+    """Relative paths of regular files, sorted; dot names and symlinks are left out (not followed)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            if not name.startswith(".") and not os.path.islink(full) and os.path.isfile(full):
+                yield os.path.relpath(full, root).replace(os.sep, "/")
+
+
+def write_file_manifest(root: str) -> str:
+    """Write ``root/.fastmm-files.jsonl`` (path, size, sha256 of every file) and return its path.
+
+    With it, staging checks each copy against the publisher's checksum, and an HTTP root can
+    be listed at all."""
+    lines = [
+        json.dumps(
+            {
+                "path": rel,
+                "size": os.path.getsize(os.path.join(root, rel)),
+                "sha256": _sha256_file(os.path.join(root, rel)),
+            }
+        )
+        for rel in _walk(root)
+    ]
+    out = os.path.join(root, MANIFEST)
+    with open(out + ".tmp", "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+    os.replace(out + ".tmp", out)
+    return out
+
+
+class StagedSource(Source):
+    """Stage ``root`` (a directory or an ``http(s)://`` URL) into ``stage_dir``, then read it with
+    the ``inner`` source ("posix" or "shards") from there.
+
+    mode="before" copies everything when opened; "on_touch" copies a file when it is first read.
+    ``max_bytes`` caps the staged size (checked before copying; a clear SourceError "stage_cap").
+    ``extract=True`` (mode "before", inner "posix") unpacks staged ``.tar`` files into
+    ``<name>/``: member names are validated, links and devices never created, sizes capped, and
+    nothing is written outside the staging directory. ``entry`` names the path inside the staged
+    tree the inner source opens (e.g. a posix manifest). Other keywords go to the inner source.
+    ``staging_cost``: this process's seconds (copying, verifying and waiting for other stagers),
+    bytes and files it copied itself, and bytes/s."""
+
+    kind = "staged"
+
+    def __init__(
+        self,
+        root: str,
+        stage_dir: str | None = None,
+        *,
+        inner: Literal["posix", "shards"] = "posix",
+        mode: Literal["before", "on_touch"] = "before",
+        max_bytes: int | None = None,
+        max_member_bytes: int = 1 << 31,
+        extract: bool = False,
+        entry: str = "",
+        on_error: OnError = "raise",
+        timeout_s: float = 60.0,
+        keep_problems: int = 100,
+        **inner_options,
+    ):
+        super().__init__(on_error=on_error, keep_problems=keep_problems)
+        stage_dir = SourceConfig.resolve(kind="staged", stage_dir=stage_dir).stage_dir
+        if stage_dir is None:
+            raise ValueError(
+                "the staged source needs stage_dir= or FASTMM_STAGE_DIR (a local directory)"
+            )
+        if inner not in ("posix", "shards") or mode not in ("before", "on_touch"):
+            raise ValueError(
+                f"inner={inner!r} (use 'posix' or 'shards'), mode={mode!r} (use 'before' or 'on_touch')"
+            )
+        if extract and (mode != "before" or inner != "posix"):
+            raise ValueError("extract=True needs mode='before' and inner='posix'")
+        if entry and unsafe_name(entry):
+            raise ValueError(f"entry={entry!r} must be a relative path inside the staged tree")
+        self.remote = root if root.startswith(("http://", "https://")) else os.path.abspath(root)
+        self._url = self.remote.startswith(("http://", "https://"))
+        self.stage_dir = os.path.abspath(stage_dir)
+        self.mode, self.extract, self.timeout_s = mode, extract, timeout_s
+        self.max_bytes, self.max_member_bytes = max_bytes, max_member_bytes
+        for sub in ("locks", "records", "tmp"):
+            os.makedirs(os.path.join(self.stage_dir, META, sub), exist_ok=True)
+        self.staging_cost = {"seconds": 0.0, "bytes": 0, "bytes_per_s": 0.0, "files": 0}
+        self.files = self._listing()
+        self._by_path = {f.path: f for f in self.files}
+        self._done: set[str] = set()
+        total = sum(f.size for f in self.files)
+        if max_bytes is not None and total > max_bytes:
+            raise SourceError(
+                "stage_cap",
+                "",
+                self.remote,
+                f"staging needs {total} bytes, over max_bytes={max_bytes}",
+            )
+        if mode == "before":
+            need = sum(f.size for f in self.files if not self._is_staged(f))
+            free = shutil.disk_usage(self.stage_dir).free
+            if need > free:
+                raise SourceError(
+                    "no_space", "", self.stage_dir, f"staging needs {need} more bytes, {free} free"
+                )
+            for f in self.files:
+                self._ensure(f)
+        hook = self._touch if mode == "on_touch" else None
+        errors = (self.skipped, self.problems)
+        if inner == "posix":
+            prefix = entry.rstrip("/") + "/" if entry else ""  # entry: a manifest, or a subtree
+            files = (
+                None
+                if extract
+                else [f.path[len(prefix) :] for f in self.files if f.path.startswith(prefix)]
+            )
+            self.inner: Source = PosixSource(
+                os.path.join(self.stage_dir, entry),
+                files=files,
+                before_open=hook,
+                on_error=on_error,
+                max_member_bytes=max_member_bytes,
+                _errors=errors,
+                **inner_options,
+            )
+        else:
+            shards = (
+                [os.path.join(self.stage_dir, entry)]
+                if entry
+                else [
+                    os.path.join(self.stage_dir, f.path)
+                    for f in self.files
+                    if f.path.endswith(".tar")
+                ]
+            )
+            inner_options.setdefault(
+                "index_cache", "beside"
+            )  # the staging directory is ours to write
+            self.inner = ShardSource(
+                shards,
+                before_open=hook,
+                on_error=on_error,
+                max_member_bytes=max_member_bytes,
+                _errors=errors,
+                **inner_options,
+            )
+
+    # -- the source interface: all reading happens in the staged copy ------------------------
+
+    def keys(self) -> list[str]:
+        return self.inner.keys()
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def read(self, index: int) -> Sample:
+        return self.inner.read(index)
+
+    def iter_samples(
+        self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
+    ) -> Iterator[Sample]:
+        return self.inner.iter_samples(rank, world_size, worker, num_workers)
+
+    # -- staging -----------------------------------------------------------------------------
+
+    def _open_remote(self, rel: str):
+        if self._url:
+            return urllib.request.urlopen(
+                self.remote.rstrip("/") + "/" + urllib.parse.quote(rel), timeout=self.timeout_s
+            )
+        fd = os.open(os.path.join(self.remote, rel), os.O_RDONLY | os.O_NOFOLLOW)
+        return os.fdopen(fd, "rb")
+
+    def _listing(self) -> list[RemoteFile]:
+        try:
+            with self._open_remote(MANIFEST) as f:
+                text = f.read().decode("utf-8")
+        except (OSError, urllib.error.URLError) as e:
+            if self._url:
+                raise SourceError(
+                    "no_listing",
+                    "",
+                    self.remote,
+                    f"an HTTP root needs {MANIFEST} (see write_file_manifest): {e}",
+                ) from e
+            out = []
+            for rel in _walk(self.remote):
+                st = os.stat(os.path.join(self.remote, rel))
+                out.append(RemoteFile(rel, st.st_size, None, st.st_mtime_ns))
+            return out
+        out = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                rf = RemoteFile(str(obj["path"]), int(obj["size"]), obj.get("sha256"))
+            except (ValueError, KeyError, TypeError) as e:
+                raise SourceError(
+                    "bad_manifest", "", f"{self.remote}/{MANIFEST}:{n}", str(e)
+                ) from e
+            if unsafe_name(rf.path) or rf.size < 0:
+                raise SourceError(
+                    "unsafe_name",
+                    rf.path,
+                    f"{self.remote}/{MANIFEST}:{n}",
+                    "listed path leaves the root",
+                )
+            out.append(rf)
+        return out
+
+    def _stamp(self, f: RemoteFile) -> dict:
+        return (
+            {"size": f.size, "sha256": f.sha256}
+            if f.sha256
+            else {"size": f.size, "mtime_ns": f.mtime_ns}
+        )
+
+    def _record(self, f: RemoteFile) -> str:
+        return os.path.join(
+            self.stage_dir, META, "records", hashlib.sha1(f.path.encode()).hexdigest() + ".json"
+        )
+
+    def _is_staged(self, f: RemoteFile) -> bool:
+        try:
+            with open(self._record(f), encoding="utf-8") as r:
+                rec = json.load(r)
+            if rec["path"] != f.path or rec["source"] != self._stamp(f):
+                return False
+            final = os.path.join(self.stage_dir, rec["final"])
+            return os.path.isdir(final) if rec["extracted"] else os.path.getsize(final) == f.size
+        except (OSError, ValueError, KeyError):
+            return False
+
+    def _touch(self, path: str) -> None:
+        rel = os.path.relpath(path, self.stage_dir).replace(os.sep, "/")
+        if rel not in self._done and rel in self._by_path:
+            self._ensure(self._by_path[rel])
+
+    def _ensure(self, f: RemoteFile) -> None:
+        """Stage one file unless it already is; under its lock, so concurrent stagers copy once."""
+        t0 = time.perf_counter()
+        bucket = int(hashlib.sha1(f.path.encode()).hexdigest(), 16) % _LOCKS
+        with open(os.path.join(self.stage_dir, META, "locks", f"{bucket:02d}.lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
+            if not self._is_staged(f):
+                self._copy(f)
+                self.staging_cost["bytes"] += f.size
+                self.staging_cost["files"] += 1
+        self._done.add(f.path)
+        cost = self.staging_cost
+        cost["seconds"] += time.perf_counter() - t0
+        cost["bytes_per_s"] = cost["bytes"] / cost["seconds"] if cost["seconds"] > 0 else 0.0
+
+    def _copy(self, f: RemoteFile) -> None:
+        tmp = os.path.join(self.stage_dir, META, "tmp", f"{os.getpid()}-{uuid.uuid4().hex}")
+        origin = f"{self.remote}/{f.path}"
+        try:
+            h, n = hashlib.sha256(), 0
+            with self._open_remote(f.path) as src, open(tmp, "wb") as dst:
+                while n <= f.size and (chunk := src.read(min(_CHUNK, f.size + 1 - n))):
+                    n += len(chunk)
+                    h.update(chunk)
+                    dst.write(chunk)
+            if n != f.size:
+                raise SourceError(
+                    "size",
+                    f.path,
+                    origin,
+                    f"got {'more than ' if n > f.size else ''}{n} bytes, expected {f.size}",
+                )
+            digest = h.hexdigest()
+            if f.sha256 and digest != f.sha256:
+                raise SourceError(
+                    "checksum", f.path, origin, f"sha256 {digest} != listed {f.sha256}"
+                )
+            if _sha256_file(tmp) != digest:  # what landed on the local disk, read back
+                raise SourceError("checksum", f.path, tmp, "local copy differs from the bytes read")
+            extracted = self.extract and f.path.endswith(".tar")
+            final = f.path[: -len(".tar")] if extracted else f.path
+            dest = os.path.join(self.stage_dir, final)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            if extracted:
+                out = tmp + ".d"
+                self._extract(tmp, out, origin)
+                if os.path.isdir(dest):
+                    shutil.rmtree(dest)
+                os.replace(out, dest)
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, dest)
+            rec = {
+                "path": f.path,
+                "final": final,
+                "extracted": extracted,
+                "size": f.size,
+                "sha256": digest,
+                "source": self._stamp(f),
+            }
+            with open(tmp + ".rec", "w", encoding="utf-8") as r:
+                json.dump(rec, r)
+            os.replace(tmp + ".rec", self._record(f))
+        except BaseException as e:
+            for leftover in (tmp, tmp + ".rec"):
+                if os.path.lexists(leftover):
+                    os.unlink(leftover)
+            if os.path.isdir(tmp + ".d"):
+                shutil.rmtree(tmp + ".d")
+            if isinstance(e, (urllib.error.URLError, OSError)) and not isinstance(e, SourceError):
+                raise SourceError("unreadable", f.path, origin, str(e)) from e
+            raise
+
+    def _extract(self, tar_path: str, out: str, origin: str) -> None:
+        """Unpack regular files and directories only, each checked to stay inside ``out``."""
+        os.makedirs(out)
+        real_out = os.path.realpath(
+            out
+        )  # no separate size cap: a tar unpacks to less than its own size
+        with open(tar_path, "rb") as f:
+            for m in iter_members(f, read_data=False, max_member_bytes=self.max_member_bytes):
+                where = f"{origin}:{m.header_offset}"
+                name = m.name or ""
+                if m.problem is not None:
+                    self.report(m.problem[0], name, where, m.problem[1])
+                    continue
+                if m.kind in ("link", "special"):
+                    self.report("not_a_file", name, where, f"{m.kind} members are never created")
+                    continue
+                parts = [p for p in name.split("/") if p not in ("", ".")]
+                if unsafe_name(name) or not parts:
+                    self.report("unsafe_name", name, where, "absolute, '..' or empty member name")
+                    continue
+                target = os.path.join(out, *parts)
+                try:
+                    if m.kind == "dir":
+                        os.makedirs(target, exist_ok=True)
+                        continue
+                    parent = os.path.dirname(target)
+                    os.makedirs(parent, exist_ok=True)
+                    real = os.path.realpath(parent)
+                    if real != real_out and not real.startswith(real_out + os.sep):
+                        self.report(
+                            "unsafe_name", name, where, "resolves outside the staging directory"
+                        )
+                        continue
+                    fd = os.open(
+                        target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644
+                    )
+                except FileExistsError:
+                    self.report(
+                        "duplicate_member",
+                        name,
+                        where,
+                        "a member of that name was already unpacked",
+                    )
+                    continue
+                except (NotADirectoryError, IsADirectoryError) as e:
+                    self.report("bad_name", name, where, str(e))
+                    continue
+                with os.fdopen(fd, "wb") as dst:
+                    f.seek(m.data_offset)
+                    left = m.size
+                    while left:
+                        chunk = f.read(min(_CHUNK, left))
+                        dst.write(chunk)
+                        left -= len(chunk)

@@ -1,0 +1,261 @@
+"""ShardSource and write_shards: webdataset interop both ways, index vs stream, bad and hostile tars."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import io
+import os
+import pathlib
+import tarfile
+
+import pytest
+
+from fastmm.sources import Sample, ShardSource, SourceError, open_source, slot_of, write_shards
+
+wds = pytest.importorskip("webdataset")
+
+
+def _samples(n=23):
+    out = []
+    for i in range(n):
+        members = {
+            "jpg": hashlib.sha256(str(i).encode()).digest() * (i % 7),
+            "txt": f"caption {i}".encode(),
+            "cls": str(i % 5).encode(),
+        }
+        if i % 4 == 0:
+            members["seg.png"] = b"png" * i
+        out.append((f"d{i % 3}/s{i:04d}", members))
+    return out
+
+
+def _plain(wds_sample):
+    return wds_sample["__key__"], {k: v for k, v in wds_sample.items() if not k.startswith("__")}
+
+
+def test_our_shards_read_by_webdataset(tmp_path):
+    samples = _samples()
+    paths = write_shards(samples, str(tmp_path), max_count=5)
+    assert [os.path.basename(p) for p in paths] == [f"shard-{i:06d}.tar" for i in range(5)]
+    got = [_plain(x) for x in wds.WebDataset(paths, shardshuffle=False)]
+    assert got == samples  # same keys, same bytes (the zero-byte "jpg" of sample 0 included)
+    assert samples[0][1]["jpg"] == b""
+
+
+def test_webdataset_shards_read_by_us(tmp_path):
+    samples = _samples()
+    samples.append(("k" * 150, {"txt": b"a name longer than ustar's 100 bytes needs a pax header"}))
+    with wds.ShardWriter(str(tmp_path / "wds-%06d.tar"), maxcount=6, verbose=0) as sink:
+        for key, members in samples:
+            sink.write({"__key__": key, **members})
+    src = ShardSource(str(tmp_path))
+    assert len(src.shards) == 4
+    assert [(s.key, s.members) for s in src.iter_samples()] == samples
+    assert [(src.read(i).key, src.read(i).members) for i in range(len(src))] == samples
+    assert src.skipped == {}
+
+
+def test_random_access_equals_stream_and_writer_is_deterministic(tmp_path):
+    a = write_shards(_samples(), str(tmp_path / "a"), max_bytes=3000)
+    b = write_shards(_samples(), str(tmp_path / "b"), max_bytes=3000)
+    assert len(a) > 2
+    assert [pathlib.Path(p).read_bytes() for p in a] == [pathlib.Path(p).read_bytes() for p in b]
+    src = ShardSource(str(tmp_path / "a"))
+    stream = list(src.iter_samples())
+    assert stream == [src.read(i) for i in range(len(src))]
+    assert src.keys() == [k for k, _ in _samples()]
+    first = src.read(0)
+    assert first.origin == f"{a[0]}:0"
+
+
+def test_index_cache_beside(tmp_path):
+    paths = write_shards(_samples(), str(tmp_path), max_count=10)
+    src = ShardSource(str(tmp_path), index_cache="beside")
+    want = [src.read(i) for i in range(len(src))]
+    caches = sorted(n for n in os.listdir(tmp_path) if n.endswith(".fastmm-idx.json"))
+    assert caches == [f".{os.path.basename(p)}.fastmm-idx.json" for p in paths]
+    again = ShardSource(str(tmp_path), index_cache="beside")  # loads the cached index
+    assert [again.read(i) for i in range(len(again))] == want
+
+
+@pytest.mark.parametrize("world_size,num_workers", [(1, 1), (2, 1), (1, 4), (2, 3), (3, 2)])
+def test_shard_assignment_covers_each_sample_once(tmp_path, world_size, num_workers):
+    write_shards(_samples(), str(tmp_path), max_count=3)  # 8 shards
+    src = ShardSource(str(tmp_path))
+    seen = []
+    for rank in range(world_size):
+        for worker in range(num_workers):
+            mine = src.shards_for(rank, world_size, worker, num_workers)
+            assert mine == [
+                p
+                for i, p in enumerate(src.shards)
+                if slot_of(i, world_size, num_workers) == (rank, worker)
+            ]
+            seen += [s.key for s in src.iter_samples(rank, world_size, worker, num_workers)]
+    assert sorted(seen) == sorted(src.keys())
+    assert slot_of(5, 2, 3) == (1, 2)  # webdataset: node 5 % 2, then worker (5 // 2) % 3
+
+
+def _truncate(path, size):
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def test_truncated_shard_keeps_complete_samples(tmp_path):
+    samples = [(f"s{i}", {"bin": bytes([i]) * 700, "txt": b"t%d" % i}) for i in range(6)]
+    [path] = write_shards(samples, str(tmp_path))
+    offset = ShardSource(path).read(3).origin.rsplit(":", 1)[1]
+    _truncate(path, int(offset) + 512 + 300)  # cut inside s3's first member's data
+    skip = ShardSource(path, on_error="skip")
+    assert [(s.key, s.members) for s in skip.iter_samples()] == samples[:3]
+    assert skip.skipped == {"truncated": 1}
+    assert (skip.problems[0].key, skip.problems[0].origin) == ("s3", f"{path}:{offset}")
+    indexed = ShardSource(path, on_error="skip")
+    assert indexed.keys() == ["s0", "s1", "s2"]
+    assert [indexed.read(i).members for i in range(3)] == [m for _, m in samples[:3]]
+    assert indexed.skipped == {"truncated": 1}
+
+    strict = ShardSource(path)
+    assert strict.keys() == ["s0", "s1", "s2", "s3"]
+    with pytest.raises(SourceError) as e:
+        strict.read(3)
+    assert (e.value.reason, e.value.key, e.value.origin) == ("truncated", "s3", f"{path}:{offset}")
+    it = strict.iter_samples()
+    assert [next(it).key for _ in range(3)] == ["s0", "s1", "s2"]
+    with pytest.raises(SourceError, match="truncated"):
+        next(it)
+
+
+@pytest.mark.parametrize("cut", ["mid_header", "before_end_marker", "empty_file"])
+def test_other_truncations_are_reported(tmp_path, cut):
+    samples = [(f"s{i}", {"txt": b"x" * 10}) for i in range(3)]
+    [path] = write_shards(samples, str(tmp_path))
+    size = {"mid_header": 2048 + 200, "before_end_marker": 3 * 1024, "empty_file": 0}[cut]
+    _truncate(path, size)
+    src = ShardSource(path, on_error="skip")
+    keys = [s.key for s in src.iter_samples()]
+    # a cut may have taken members of the sample before it (one key per member), so that one is reported
+    assert keys == {"mid_header": ["s0"], "before_end_marker": ["s0", "s1"], "empty_file": []}[cut]
+    assert src.skipped == {"truncated": 1}
+
+
+def test_missing_member_and_zero_byte_member(tmp_path):
+    samples = [
+        ("a", {"jpg": b"", "txt": b"zero-byte jpg"}),
+        ("b", {"jpg": b"j"}),
+        ("c", {"jpg": b"j", "txt": b"t"}),
+    ]
+    write_shards(samples, str(tmp_path))
+    src = ShardSource(str(tmp_path), required=("jpg", "txt"), on_error="skip")
+    assert [(s.key, s.members) for s in src.iter_samples()] == [samples[0], samples[2]]
+    assert src.skipped == {"missing_member": 1} and src.problems[0].key == "b"
+    assert src.keys() == ["a", "c"] and src.read(0).members["jpg"] == b""
+    with pytest.raises(SourceError, match="missing_member"):
+        list(ShardSource(str(tmp_path), required=("txt",)).iter_samples())
+
+
+def _hostile_tar(path, evil_target):
+    """A tar with one good sample between members that must never be trusted."""
+
+    def add(tar, name, kind=tarfile.REGTYPE, data=b"", **kw):
+        info = tarfile.TarInfo(name)
+        info.type, info.size = kind, len(data) if kind == tarfile.REGTYPE else 0
+        for k, v in kw.items():
+            setattr(info, k, v)
+        tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        add(tar, "../evil.txt", data=b"dotdot")
+        add(tar, evil_target + ".txt", data=b"absolute")
+        add(tar, "good.jpg", data=b"good jpeg")
+        add(tar, "good.txt", data=b"good caption")
+        add(tar, "sym.jpg", tarfile.SYMTYPE, linkname="/etc/passwd")
+        add(tar, "hard.jpg", tarfile.LNKTYPE, linkname="/etc/passwd")
+        add(tar, "dev.jpg", tarfile.CHRTYPE, devmajor=1, devminor=3)
+        add(tar, "fifo.jpg", tarfile.FIFOTYPE)
+        add(tar, "lnkdir", tarfile.SYMTYPE, linkname="/tmp")
+        add(tar, "lnkdir/escape.txt", data=b"through a link")
+        add(tar, "later.txt", data=b"after the bad ones")
+
+
+def test_hostile_members_are_counted_not_followed(tmp_path):
+    path = str(tmp_path / "hostile.tar")
+    _hostile_tar(path, str(tmp_path / "abs_evil"))
+    src = ShardSource(path, on_error="skip")
+    got = [(s.key, s.members) for s in src.iter_samples()]
+    assert got == [
+        ("good", {"jpg": b"good jpeg", "txt": b"good caption"}),
+        ("lnkdir/escape", {"txt": b"through a link"}),
+        ("later", {"txt": b"after the bad ones"}),
+    ]
+    assert src.skipped == {"unsafe_name": 2, "not_a_file": 5}
+    assert [(s.key, s.members) for s in (src.read(i) for i in range(len(src)))] == got
+    with pytest.raises(SourceError, match="unsafe_name"):
+        ShardSource(path).read(0)
+
+
+def test_garbage_headers_do_not_crash_or_hang(tmp_path):
+    good = tarfile.TarInfo("a.txt")
+    good.size = 3
+    header = bytearray(good.tobuf(tarfile.USTAR_FORMAT))
+    huge = bytearray(header)
+    huge[0:5] = b"b.txt"
+    huge[124:136] = b"\x80" + (1 << 60).to_bytes(11, "big")  # base-256 size: an exabyte
+    huge[148:156] = b" " * 8
+    huge[148:156] = b"%06o\0 " % (sum(huge))
+    (tmp_path / "huge.tar").write_bytes(
+        bytes(header) + b"abc".ljust(512, b"\0") + bytes(huge) + bytes(1024)
+    )
+    src = ShardSource(str(tmp_path / "huge.tar"), on_error="skip")
+    assert [s.key for s in src.iter_samples()] == ["a"] and src.skipped == {"truncated": 1}
+
+    bad = bytearray(header)
+    bad[0] = ord("z")  # checksum no longer matches
+    (tmp_path / "bad.tar").write_bytes(
+        bytes(header) + b"abc".ljust(512, b"\0") + bytes(bad) + bytes(1024)
+    )
+    src = ShardSource(str(tmp_path / "bad.tar"), on_error="skip")
+    assert src.keys() == [] and src.skipped == {
+        "bad_header": 1
+    }  # it damages the sample it interrupts
+
+    big = [("s", {"bin": b"x" * 5000}), ("t", {"bin": b"y"})]
+    write_shards(big, str(tmp_path / "big"))
+    src = ShardSource(str(tmp_path / "big"), max_member_bytes=1000, on_error="skip")
+    assert [s.key for s in src.iter_samples()] == ["t"] and src.skipped == {"too_large": 1}
+
+
+def test_open_source_registry(tmp_path):
+    write_shards(_samples(4), str(tmp_path))
+    assert isinstance(open_source("shards", str(tmp_path)), ShardSource)
+    assert open_source("shards", str(tmp_path)).read(1) == Sample(
+        *_samples(4)[1],
+        f"{tmp_path}/shard-000000.tar:{ShardSource(str(tmp_path)).read(1).origin.rsplit(':', 1)[1]}",
+    )
+
+
+def test_sources_import_nothing_they_must_not():
+    """Dependency rule: sources deal in bytes (no torch, decode, slabs, collate) and never unpickle."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "fastmm" / "sources"
+    banned = (
+        "torch",
+        "fastmm.decode",
+        "fastmm.slabs",
+        "fastmm.collate",
+        "pickle",
+        "..decode",
+        "..slabs",
+        "..collate",
+    )
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "")]
+            for name in names:
+                assert not any(
+                    name == b or name.startswith(b + ".") for b in banned
+                ), f"{path.name} imports {name}"

@@ -1,0 +1,351 @@
+"""StagedSource: atomic verified copies, concurrent stagers, caps, HTTP, safe unpacking, config."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+import pytest
+
+from fastmm.config import ConfigError, SourceConfig
+from fastmm.sources import (
+    PosixSource,
+    ShardSource,
+    SourceError,
+    StagedSource,
+    open_source,
+    write_file_manifest,
+    write_shards,
+)
+
+
+def _tree(root, n=6):
+    files = {}
+    for i in range(n):
+        for ext, data in (("jpg", bytes([i]) * (1000 + i)), ("txt", f"caption {i}".encode())):
+            rel = f"part{i % 2}/s{i}.{ext}"
+            files[rel] = data
+            os.makedirs(os.path.join(root, f"part{i % 2}"), exist_ok=True)
+            with open(os.path.join(root, rel), "wb") as f:
+                f.write(data)
+    return files
+
+
+def _listing(root):
+    """Every path below root (files, dirs, links), to prove nothing was written where it must not be."""
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            out.add(os.path.relpath(os.path.join(dirpath, name), root))
+    return out
+
+
+def _samples(src):
+    return [(s.key, s.members) for s in (src.read(i) for i in range(len(src)))]
+
+
+def test_stage_before_then_reuse(tmp_path):
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    files = _tree(remote)
+    src = StagedSource(remote, stage)
+    assert _samples(src) == _samples(PosixSource(remote))
+    assert [(s.key, s.members) for s in src.iter_samples()] == _samples(PosixSource(remote))
+    cost = src.staging_cost
+    assert (cost["files"], cost["bytes"]) == (len(files), sum(map(len, files.values())))
+    assert cost["seconds"] > 0 and cost["bytes_per_s"] == pytest.approx(
+        cost["bytes"] / cost["seconds"]
+    )
+    for rel, data in files.items():
+        with open(os.path.join(stage, rel), "rb") as f:
+            assert f.read() == data
+    assert (
+        os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
+    )  # no temp files left behind
+    again = StagedSource(remote, stage)  # already staged and verified: nothing copied
+    assert (again.staging_cost["files"], again.staging_cost["bytes"]) == (0, 0)
+    assert _samples(again) == _samples(src)
+    with open(
+        os.path.join(remote, "part0/s0.txt"), "wb"
+    ) as f:  # the source changed: restage that file
+        f.write(b"new caption")
+    third = StagedSource(remote, stage)
+    assert third.staging_cost["files"] == 1 and third.read(0).members["txt"] == b"new caption"
+
+
+def test_stage_on_touch(tmp_path):
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    _tree(remote)
+    src = StagedSource(remote, stage, mode="on_touch")
+    assert src.keys() == PosixSource(remote).keys() and src.staging_cost["files"] == 0
+    assert not os.path.exists(os.path.join(stage, "part0"))
+    sample = src.read(2)
+    assert sample.members == PosixSource(remote).read(2).members
+    assert src.staging_cost["files"] == 2
+    assert sorted(os.listdir(os.path.join(stage, "part0"))) == [
+        f"{sample.key.split('/')[1]}.{e}" for e in ("jpg", "txt")
+    ]
+    src.read(2)
+    assert src.staging_cost["files"] == 2
+    clone = pickle.loads(
+        pickle.dumps(src)
+    )  # as a worker process receives it: still stages on touch
+    assert clone.read(3).members == PosixSource(remote).read(3).members
+    assert clone.staging_cost["files"] == 4 and os.path.exists(
+        os.path.join(stage, clone.keys()[3] + ".jpg")
+    )
+
+
+@pytest.mark.parametrize("mode", ["before", "on_touch"])
+def test_stage_shards(tmp_path, mode):
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    samples = [(f"s{i:03d}", {"bin": bytes([i]) * i, "cls": b"%d" % (i % 3)}) for i in range(40)]
+    write_shards(samples, remote, max_count=7)
+    write_file_manifest(remote)
+    src = StagedSource(remote, stage, inner="shards", mode=mode)
+    assert isinstance(src.inner, ShardSource)
+    assert src.staging_cost["files"] == (6 if mode == "before" else 0)
+    parts = [list(src.iter_samples(0, 2, w, 2)) for w in range(2)] + [
+        list(src.iter_samples(1, 2, w, 2)) for w in range(2)
+    ]
+    assert sorted((s.key, s.members) for p in parts for s in p) == samples
+    assert _samples(src) == samples
+    assert src.staging_cost["files"] == 6
+
+
+def test_checksum_mismatch_is_refused(tmp_path):
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    _tree(remote)
+    write_file_manifest(remote)
+    with open(os.path.join(remote, "part1/s1.jpg"), "r+b") as f:
+        f.write(b"X")  # same size, different bytes
+    with pytest.raises(SourceError) as e:
+        StagedSource(remote, stage)
+    assert (e.value.reason, e.value.key) == ("checksum", "part1/s1.jpg")
+    assert not os.path.exists(os.path.join(stage, "part1/s1.jpg"))
+    assert os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
+
+
+def test_size_cap(tmp_path):
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    files = _tree(remote)
+    total = sum(map(len, files.values()))
+    with pytest.raises(
+        SourceError, match=f"staging needs {total} bytes, over max_bytes={total - 1}"
+    ) as e:
+        StagedSource(remote, stage, max_bytes=total - 1)
+    assert e.value.reason == "stage_cap"
+    assert _listing(stage) <= {
+        ".fastmm-stage",
+        ".fastmm-stage/locks",
+        ".fastmm-stage/records",
+        ".fastmm-stage/tmp",
+    }
+    assert StagedSource(remote, stage, max_bytes=total).staging_cost["bytes"] == total
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    requests: list | None = None  # paths served, when a test wants to count them
+    delay_s = 0.0
+
+    def do_GET(self):
+        if self.requests is not None:
+            self.requests.append(self.path)
+        time.sleep(self.delay_s)  # a slow remote, so concurrent stagers really overlap
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Serve a directory on 127.0.0.1 (nothing else is reached); yields a function root -> URL."""
+    servers = []
+
+    def start(root, **attrs):
+        handler = type("Handler", (_QuietHandler,), attrs)
+        server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(handler, directory=root)
+        )
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+_STAGER = """
+import json, sys, time
+from fastmm.sources import StagedSource
+remote, stage, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+while time.time() < start:
+    time.sleep(0.001)
+src = StagedSource(remote, stage, inner="shards")
+print(json.dumps({"cost": src.staging_cost, "n": len(src), "last": src.read(len(src) - 1).members["bin"].hex()}))
+"""
+
+
+def test_three_processes_stage_each_file_once(tmp_path, serve):
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    samples = [(f"s{i:03d}", {"bin": os.urandom(20000)}) for i in range(24)]
+    paths = write_shards(samples, remote, max_count=3)
+    write_file_manifest(remote)
+    requests: list[str] = []
+    url = serve(remote, requests=requests, delay_s=0.1)  # ~1 s of staging for the three to share
+    start = time.time() + 3.0  # all three start staging at the same moment
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STAGER, url, stage, str(start)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(requests) == sorted(
+        ["/.fastmm-files.jsonl"] * 3 + [f"/{os.path.basename(p)}" for p in paths]
+    )  # each shard fetched once
+    assert sum(o["cost"]["files"] for o in outs) == len(paths)
+    assert sum(o["cost"]["bytes"] for o in outs) == sum(os.path.getsize(p) for p in paths)
+    assert all(o["n"] == 24 and o["last"] == samples[-1][1]["bin"].hex() for o in outs)
+    assert os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
+
+
+def test_http_staging(tmp_path, serve):
+    root = str(tmp_path / "served")
+    url = serve(root)
+    samples = [(f"s{i:03d}", {"jpg": bytes([i]) * 3000, "txt": b"t%d" % i}) for i in range(12)]
+    write_shards(samples, root, max_count=5)
+    with pytest.raises(SourceError, match="no_listing"):
+        StagedSource(url, str(tmp_path / "stage"), inner="shards")
+    write_file_manifest(root)
+    src = StagedSource(url, str(tmp_path / "stage"), inner="shards")
+    assert _samples(src) == samples
+    assert src.staging_cost["files"] == 3
+    lazy = StagedSource(url, str(tmp_path / "stage2"), inner="shards", mode="on_touch")
+    assert [(s.key, s.members) for s in lazy.iter_samples(0, 1, 0, 1)] == samples
+    os.unlink(os.path.join(root, "shard-000001.tar"))  # listed but gone: a typed error, not a crash
+    with pytest.raises(SourceError, match="unreadable") as e:
+        StagedSource(url, str(tmp_path / "stage3"), inner="shards")
+    assert e.value.key == "shard-000001.tar"
+
+
+def _hostile_tar(path, outside):
+    def add(tar, name, kind=tarfile.REGTYPE, data=b"", size=None, **kw):
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        info.size = len(data) if kind == tarfile.REGTYPE else 0
+        for k, v in kw.items():
+            setattr(info, k, v)
+        tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        add(tar, "../evil.txt", data=b"dotdot")
+        add(tar, "sub/../../evil2.txt", data=b"dotdot")
+        add(tar, os.path.join(outside, "abs_evil.txt"), data=b"absolute")
+        add(tar, "good/a.jpg", data=b"good jpeg")
+        add(tar, "good/a.txt", data=b"good caption")
+        add(tar, "sym", tarfile.SYMTYPE, linkname=outside)
+        add(
+            tar, "sym/through_link.txt", data=b"must land in a real directory, not through the link"
+        )
+        add(tar, "hard.txt", tarfile.LNKTYPE, linkname=os.path.join(outside, "victim.txt"))
+        add(tar, "dev.bin", tarfile.CHRTYPE, devmajor=1, devminor=3)
+        add(tar, "fifo.bin", tarfile.FIFOTYPE)
+        add(tar, "big.bin", data=b"x" * 5000)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_extract_never_writes_outside_stage_dir(tmp_path, on_error):
+    remote, stage = tmp_path / "remote", tmp_path / "stage"
+    remote.mkdir()
+    (tmp_path / "victim.txt").write_bytes(b"untouched")
+    _hostile_tar(str(remote / "data.tar"), str(tmp_path))
+    before = _listing(str(tmp_path))
+    if on_error == "raise":
+        with pytest.raises(SourceError, match="unsafe_name"):
+            StagedSource(str(remote), str(stage), extract=True, max_member_bytes=4096)
+        after = _listing(str(tmp_path))
+        assert {p for p in after - before if not p.startswith("stage")} == set()
+        assert not os.path.exists(stage / "data")
+        return
+    src = StagedSource(
+        str(remote), str(stage), extract=True, max_member_bytes=4096, on_error="skip"
+    )
+    after = _listing(str(tmp_path))
+    assert {p for p in after - before if not p.startswith("stage")} == set()
+    assert (tmp_path / "victim.txt").read_bytes() == b"untouched"
+    staged = {p for p in _listing(str(stage)) if not p.startswith(".fastmm-stage")}
+    assert staged == {
+        "data",
+        "data/good",
+        "data/good/a.jpg",
+        "data/good/a.txt",
+        "data/sym",
+        "data/sym/through_link.txt",
+    }
+    assert not any(os.path.islink(os.path.join(stage, p)) for p in _listing(str(stage)))
+    assert src.skipped == {"unsafe_name": 3, "not_a_file": 4, "too_large": 1}
+    assert [(s.key, s.members) for s in src.iter_samples()] == [
+        ("data/good/a", {"jpg": b"good jpeg", "txt": b"good caption"}),
+        ("data/sym/through_link", {"txt": b"must land in a real directory, not through the link"}),
+    ]
+
+
+def test_config_precedence_and_bad_values(tmp_path, monkeypatch):
+    remote = str(tmp_path / "remote")
+    _tree(remote, 2)
+    monkeypatch.delenv("FASTMM_SOURCE", raising=False)
+    monkeypatch.delenv("FASTMM_STAGE_DIR", raising=False)
+    assert SourceConfig.from_env() == SourceConfig("posix", None)
+    assert isinstance(open_source(None, remote), PosixSource)  # the default
+    monkeypatch.setenv("FASTMM_SOURCE", "staged")
+    monkeypatch.setenv("FASTMM_STAGE_DIR", str(tmp_path / "env_stage"))
+    src = open_source(None, remote)  # both from the environment
+    assert isinstance(src, StagedSource) and src.stage_dir == str(tmp_path / "env_stage")
+    assert open_source(None, remote, stage_dir=str(tmp_path / "arg_stage")).stage_dir == str(
+        tmp_path / "arg_stage"
+    )
+    assert isinstance(open_source("posix", remote), PosixSource)  # an argument beats the variable
+    monkeypatch.setenv("FASTMM_SOURCE", "s3")
+    with pytest.raises(ConfigError, match=r"FASTMM_SOURCE='s3'.*\('posix', 'staged', 'shards'\)"):
+        open_source(None, remote)
+    assert isinstance(open_source("shards", remote), ShardSource)
+    with pytest.raises(ValueError, match="unknown source kind 'nfs'"):
+        open_source("nfs", remote)
+    monkeypatch.setenv("FASTMM_STAGE_DIR", "/no/such/parent/stage")
+    with pytest.raises(ConfigError, match="FASTMM_STAGE_DIR='/no/such/parent/stage'"):
+        StagedSource(remote)
+    monkeypatch.delenv("FASTMM_STAGE_DIR")
+    with pytest.raises(ValueError, match="needs stage_dir= or FASTMM_STAGE_DIR"):
+        StagedSource(remote)
+
+
+@pytest.mark.parametrize("mode", ["before", "on_touch"])
+def test_stage_posix_manifest_and_subtree_entry(tmp_path, mode):
+    remote = str(tmp_path / "remote")
+    _tree(remote)
+    with open(os.path.join(remote, "samples.jsonl"), "w") as f:
+        f.write(
+            json.dumps({"key": "one", "members": {"jpg": "part1/s3.jpg", "txt": "part0/s0.txt"}})
+            + "\n"
+        )
+    src = StagedSource(remote, str(tmp_path / f"stage-{mode}"), entry="samples.jsonl", mode=mode)
+    assert src.keys() == ["one"]
+    assert src.read(0).members == {"jpg": bytes([3]) * 1003, "txt": b"caption 0"}
+    assert src.staging_cost["files"] == (13 if mode == "before" else 3)
+    sub = StagedSource(remote, str(tmp_path / f"sub-{mode}"), entry="part1", mode=mode)
+    assert _samples(sub) == _samples(PosixSource(os.path.join(remote, "part1")))
