@@ -454,7 +454,9 @@ def test_worker_exit_after_its_pipe_closes_raises_exited_unexpectedly_like_torch
     out after 20 seconds" when no timeout has passed."""
     dataset = ExitingDataset(8, victim=2, close_pipes_first=True)
     expected, _ = _run_to_error(TorchDataLoader, dataset, timeout)
-    assert expected[0] is RuntimeError and "exited unexpectedly" in expected[1], expected
+    # torch itself is racy here: usually "exited unexpectedly", under load an EOFError from
+    # its shared result queue. fastmm must always give the RuntimeError.
+    assert expected[0] in (RuntimeError, EOFError), expected
     actual, elapsed = _run_to_error(fastmm.DataLoader, dataset, timeout)
     assert actual[0] is RuntimeError, actual
     assert actual[1].startswith("DataLoader worker (pid"), actual[1]

@@ -7,6 +7,7 @@ A bad value raises ConfigError naming the variable, the value and what is accept
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -103,3 +104,42 @@ class SourceConfig:
             kind=kind if kind is not None else _env_choice("FASTMM_SOURCE", "posix", SOURCE_KINDS),
             stage_dir=stage_dir if stage_dir is not None else _env_new_dir("FASTMM_STAGE_DIR"),
         )
+
+
+DECODE_BACKENDS = ("pil", "torchvision", "torchcodec", "dali")  # fastmm.decode.DECODERS, same order
+_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
+
+
+def _check_device(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if not _DEVICE.match(value):
+        raise ConfigError(f"{name}={raw!r} is not a valid device; use 'cpu', 'cuda' or 'cuda:N'")
+    return value
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Which decoder backend turns bytes into tensors, and on which device it decodes."""
+
+    backend: Literal["pil", "torchvision", "torchcodec", "dali"] = "pil"  # FASTMM_DECODE
+    device: str = "cpu"  # FASTMM_DEVICE: "cpu", "cuda" or "cuda:N"
+
+    @classmethod
+    def from_env(cls) -> "DecodeConfig":
+        return cls.resolve()
+
+    @classmethod
+    def resolve(cls, *, backend: str | None = None, device: str | None = None) -> "DecodeConfig":
+        """Explicit arguments win; the environment is read only for what is not given."""
+        if backend is not None and backend not in DECODE_BACKENDS:
+            raise ValueError(f"unknown decoder {backend!r}; use one of {DECODE_BACKENDS}")
+        if backend is None:
+            backend = _env_choice("FASTMM_DECODE", "pil", DECODE_BACKENDS)
+        if device is not None:
+            if not _DEVICE.match(str(device)):
+                raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+            device = str(device)
+        else:
+            raw = os.environ.get("FASTMM_DEVICE")
+            device = "cpu" if raw is None or raw.strip() == "" else _check_device("FASTMM_DEVICE", raw)
+        return cls(backend=backend, device=device)

@@ -1,0 +1,231 @@
+"""What every decoder shares: clip specs, caps, typed errors, colour rules and the registry.
+
+Decoders turn bytes into uint8 tensors: images as 3xHxW RGB, clips as TxCxHxW RGB. They never
+import fastmm.sources, slabs or collate; optional libraries are imported only inside their own
+backend module, so ``import fastmm.decode`` costs nothing extra.
+
+Colour rules, the same in every backend (so a PNG decodes to the same bytes everywhere):
+grayscale is repeated into R, G and B; an alpha channel is dropped (not composited over a
+background); palette images are expanded through their palette; 16-bit samples keep their top
+8 bits (``v >> 8``); CMYK JPEGs become RGB by the library's own conversion (the one rule that may
+differ between backends, by more than the JPEG tolerance).
+
+Bad input raises DecodeError (a ValueError) with ``key`` and ``reason``; the dataset's on_error
+policy decides what to do with it. Caps (DecodeLimits) are checked from the header or container
+metadata before pixels are allocated, and raise DecodeLimitError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..config import DECODE_BACKENDS, DecodeConfig
+
+
+class DecodeError(ValueError):
+    """Bytes that could not be decoded. ``reason`` is a short counter name: "empty", "corrupt",
+    "too_large", "too_short", "no_video", "unsupported"."""
+
+    def __init__(self, reason: str, key: str, message: str):
+        super().__init__(f"{reason}: {message} (key={key!r})")
+        self.reason, self.key = reason, key
+
+
+class DecodeLimitError(DecodeError):
+    """The input would exceed a DecodeLimits cap; raised before its pixels are allocated."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__("too_large", key, message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLimits:
+    """Caps that stop decompression bombs and runaway clips before any pixels are allocated.
+
+    ``max_image_pixels`` bounds width*height of an image and of each video frame (default as
+    Pillow's warning threshold); ``max_clip_frames`` bounds T; ``max_clip_pixels`` bounds
+    T*H*W of one clip (default 2**29, 1.5 GiB of uint8 RGB)."""
+
+    max_image_pixels: int = 89_478_485
+    max_clip_frames: int = 1024
+    max_clip_pixels: int = 2**29
+
+    def check_image(self, width: int, height: int, key: str) -> None:
+        if width <= 0 or height <= 0:
+            raise DecodeError("corrupt", key, f"image header says {width}x{height}")
+        if width * height > self.max_image_pixels:
+            raise DecodeLimitError(
+                key, f"{width}x{height} image exceeds max_image_pixels={self.max_image_pixels}"
+            )
+
+    def check_clip(self, frames: int, width: int, height: int, key: str) -> None:
+        self.check_image(width, height, key)
+        if frames > self.max_clip_frames:
+            raise DecodeLimitError(
+                key, f"{frames}-frame clip exceeds max_clip_frames={self.max_clip_frames}"
+            )
+        if frames * width * height > self.max_clip_pixels:
+            raise DecodeLimitError(
+                key,
+                f"{frames}x{width}x{height} clip exceeds max_clip_pixels={self.max_clip_pixels}",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipSpec:
+    """Which frames make a clip.
+
+    ``num_frames`` frames are taken every ``stride`` source frames, or at ``fps`` frames per
+    second (indices are computed from the stream's average rate, i.e. constant frame rate is
+    assumed). Neither given means stride 1. ``sampling`` places the clip:
+
+    - "start": the clip begins at frame 0;
+    - "random": the start is drawn uniformly from every start that fits the video;
+    - "uniform": ``num_frames`` indices spread evenly over the whole video (stride/fps must be
+      None; a video shorter than ``num_frames`` repeats frames).
+
+    A video too short for a "start"/"random" clip raises DecodeError(reason="too_short").
+
+    Randomness ("random" only): a ``generator`` passed to ``decode_clip`` is used if given;
+    else, with ``seed`` set, a generator seeded from (seed, sample key), so a sample gets the
+    same clip in any worker and any epoch; else torch's global RNG, which the DataLoader seeds
+    per worker (reproducible the way torch's loader is).
+    """
+
+    num_frames: int
+    stride: int | None = None
+    fps: float | None = None
+    sampling: Literal["uniform", "random", "start"] = "start"
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.num_frames < 1:
+            raise ValueError(f"num_frames={self.num_frames}; need at least 1")
+        if self.stride is not None and self.fps is not None:
+            raise ValueError("give stride or fps, not both")
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"stride={self.stride}; need at least 1")
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"fps={self.fps}; need a positive rate")
+        if self.sampling not in ("uniform", "random", "start"):
+            raise ValueError(f"sampling={self.sampling!r}; use 'uniform', 'random' or 'start'")
+        if self.sampling == "uniform" and (self.stride is not None or self.fps is not None):
+            raise ValueError("sampling='uniform' spreads frames over the whole video; "
+                             "it takes no stride or fps")
+
+    def frame_indices(
+        self,
+        total_frames: int,
+        average_fps: float | None = None,
+        *,
+        key: str = "",
+        generator: torch.Generator | None = None,
+    ) -> list[int]:
+        """Source frame indices of the clip, for a video of ``total_frames`` frames."""
+        if total_frames < 1:
+            raise DecodeError("no_video", key, "the video has no frames")
+        n = self.num_frames
+        if self.sampling == "uniform":
+            if n == 1:
+                return [(total_frames - 1) // 2]
+            return [round(i * (total_frames - 1) / (n - 1)) for i in range(n)]
+        if self.fps is not None:
+            if not average_fps or average_fps <= 0:
+                raise DecodeError("corrupt", key, "fps sampling needs the stream's frame rate")
+            step = average_fps / self.fps
+        else:
+            step = float(self.stride or 1)
+        offsets = [int(i * step + 1e-9) for i in range(n)]
+        last_start = total_frames - 1 - offsets[-1]
+        if last_start < 0:
+            raise DecodeError(
+                "too_short", key,
+                f"a {n}-frame clip spans {offsets[-1] + 1} frames; the video has {total_frames}",
+            )
+        start = 0
+        if self.sampling == "random" and last_start > 0:
+            if generator is None and self.seed is not None:
+                generator = torch.Generator()
+                generator.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+            start = int(torch.randint(last_start + 1, (1,), generator=generator))
+        return [start + o for o in offsets]
+
+
+def probe_image(data: bytes, key: str, limits: DecodeLimits) -> None:
+    """Check the caps from the image header (Pillow reads the header only, lazily).
+
+    Formats Pillow cannot identify (or no Pillow at all) pass through; their backend may still
+    decode them, and to_rgb_chw checks the caps after the fact."""
+    if not data:
+        raise DecodeError("empty", key, "zero-byte image")
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                width, height = im.size
+    except Image.DecompressionBombError as e:
+        raise DecodeLimitError(key, str(e)) from None
+    except Exception:
+        return
+    limits.check_image(width, height, key)
+
+
+def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None) -> torch.Tensor:
+    """Apply the colour rules to a CHW (or NCHW) tensor from a library decoder; with ``limits``,
+    check the caps too (for images whose header probe_image could not read)."""
+    if img.dim() == 4:  # animated formats: first frame, as Pillow does
+        img = img[0]
+    if limits is not None:
+        limits.check_image(img.shape[-1], img.shape[-2], key)
+    if img.dtype == torch.uint16:
+        img = (img.to(torch.int32) >> 8).to(torch.uint8)  # uint16 has no shift kernel
+    elif img.dtype != torch.uint8:
+        raise DecodeError("unsupported", key, f"decoder returned {img.dtype}")
+    c = img.shape[0]
+    if c in (1, 2):
+        img = img[:1].expand(3, -1, -1)
+    elif c == 4:
+        img = img[:3]
+    elif c != 3:
+        raise DecodeError("unsupported", key, f"decoder returned {c} channels")
+    return img.contiguous()
+
+
+# name -> module path; each module defines ``Decoder`` and ``PACKAGE`` (what to pip install)
+DECODERS: dict[str, str] = {
+    "pil": "fastmm.decode.pil",
+    "torchvision": "fastmm.decode.torchvision",
+    "torchcodec": "fastmm.decode.torchcodec",
+    "dali": "fastmm.decode.dali",
+}
+_PACKAGES = {"pil": "pillow", "torchvision": "torchvision", "torchcodec": "torchcodec",
+             "dali": "nvidia-dali-cuda130"}
+assert tuple(DECODERS) == DECODE_BACKENDS
+
+
+def get_decoder(name: str | None = None, *, device: str | None = None,
+                limits: DecodeLimits | None = None):
+    """A decoder by name: argument, then FASTMM_DECODE, then "pil"; device likewise with
+    FASTMM_DEVICE, then "cpu". A backend whose library is missing raises ImportError naming
+    the pip package to install."""
+    cfg = DecodeConfig.resolve(backend=name, device=device)
+    try:
+        module = importlib.import_module(DECODERS[cfg.backend])
+    except ImportError as e:
+        raise ImportError(
+            f"decoder {cfg.backend!r} needs the {_PACKAGES[cfg.backend]!r} package: "
+            f"pip install {_PACKAGES[cfg.backend]} ({e})"
+        ) from e
+    return module.Decoder(device=cfg.device, limits=limits or DecodeLimits())

@@ -1,0 +1,241 @@
+"""Image decoding: the same pixels from every backend, colour rules, bad input, caps, draft."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastmm.decode import DecodeError, DecodeLimitError, DecodeLimits, get_decoder
+
+# Largest |difference| allowed between backends for the same JPEG. Backends bundle their own
+# libjpeg-turbo (Pillow, torchvision) or FFmpeg's (torchcodec); builds may differ in IDCT and
+# chroma upsampling by a rounding step or two. Observed here: 0.
+JPEG_TOLERANCE = 2
+
+
+def _video_required() -> bool:
+    return os.environ.get("FASTMM_REQUIRE_VIDEO") == "1"
+
+
+def _backends() -> list[str]:
+    """pil and torchvision always; torchcodec unless missing and FASTMM_REQUIRE_VIDEO != "1";
+    dali unless missing and FASTMM_REQUIRE_DALI != "1"."""
+    names = ["pil", "torchvision"]
+    for name, module, required in [("torchcodec", "torchcodec", _video_required()),
+                                   ("dali", "nvidia.dali", os.environ.get("FASTMM_REQUIRE_DALI")
+                                    == "1")]:
+        try:
+            __import__(module)
+            names.append(name)
+        except Exception:
+            if required:
+                raise
+    return names
+
+
+BACKENDS = _backends()
+
+
+def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _rgb(h=37, w=53, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _smooth(h=96, w=128) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([(x * 2) % 256, (y * 2) % 256, (x + y) % 256], -1).astype(np.uint8)
+
+
+def _expected(im: Image.Image) -> torch.Tensor:
+    """The colour rules of fastmm.decode.base written out with NumPy, from the source array."""
+    a = np.asarray(im)
+    if im.mode == "I;16":
+        a = (a >> 8).astype(np.uint8)
+    if im.mode == "P":
+        a = np.asarray(im.convert("RGB"))
+    if im.mode == "1":
+        a = a.astype(np.uint8) * 255
+    if a.ndim == 2:
+        a = np.repeat(a[:, :, None], 3, axis=2)
+    if im.mode == "LA":
+        a = np.repeat(a[:, :, :1], 3, axis=2)
+    return torch.from_numpy(np.ascontiguousarray(a[:, :, :3].transpose(2, 0, 1)))
+
+
+def _modes() -> dict[str, Image.Image]:
+    rng = np.random.default_rng(1)
+    return {
+        "RGB": Image.fromarray(_rgb()),
+        "L": Image.fromarray(rng.integers(0, 256, (9, 11), dtype=np.uint8)),
+        "RGBA": Image.fromarray(rng.integers(0, 256, (9, 11, 4), dtype=np.uint8)),
+        "LA": Image.fromarray(rng.integers(0, 256, (9, 11, 4), dtype=np.uint8)).convert("LA"),
+        "P": Image.fromarray(_rgb(9, 11)).quantize(16),
+        "I;16": Image.fromarray(rng.integers(0, 65536, (9, 11), dtype=np.uint16)),
+        "1": Image.fromarray(rng.integers(0, 2, (9, 11), dtype=np.uint8) * 255).convert("1"),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", list(_modes()))
+def test_png_bit_exact_with_colour_rules(backend, mode):
+    im = _modes()[mode]
+    assert im.mode == mode
+    out = get_decoder(backend).decode_image(encode(im), key="k")
+    assert out.dtype == torch.uint8 and out.shape == (3, im.height, im.width)
+    assert out.is_contiguous()
+    assert torch.equal(out, _expected(im))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["smooth", "noise", "gray", "cmyk", "420"])
+def test_jpeg_within_tolerance_of_pil(backend, kind):
+    a = _smooth() if kind != "noise" else _rgb(96, 128)
+    im = Image.fromarray(a)
+    kw = {"quality": 90, "subsampling": 2 if kind == "420" else 0}
+    if kind in ("gray", "cmyk"):
+        im = im.convert("L" if kind == "gray" else "CMYK")
+    data = encode(im, "JPEG", **kw)
+    ref = get_decoder("pil").decode_image(data).int()
+    out = get_decoder(backend).decode_image(data)
+    assert out.dtype == torch.uint8 and out.shape == (3, 96, 128)
+    assert (out.int() - ref).abs().max().item() <= JPEG_TOLERANCE
+    if kind == "smooth":  # and close to the source itself
+        assert (ref - torch.from_numpy(a).permute(2, 0, 1).int()).abs().float().mean() < 2
+
+
+def _bad_inputs() -> dict[str, bytes]:
+    png = encode(Image.fromarray(_rgb(64, 64)))
+    jpg = encode(Image.fromarray(_smooth()), "JPEG", quality=90)
+    return {
+        "empty": b"",
+        "text": b"this is a caption, not an image\n" * 4,
+        "png_truncated": png[: len(png) // 2],
+        "jpg_truncated": jpg[:200],
+        "png_header_only": png[:33],
+        "png_garbled": png[:40] + bytes(len(png) - 40),
+        "random": np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(_bad_inputs()))
+def test_bad_input_raises_decode_error_with_key(backend, name):
+    with pytest.raises(DecodeError) as e:
+        get_decoder(backend).decode_image(_bad_inputs()[name], key=f"s/{name}")
+    assert e.value.key == f"s/{name}"
+    assert e.value.reason == ("empty" if name == "empty" else "corrupt")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrong_extension_is_decided_by_content(backend):
+    """A PNG stored as ".jpg" decodes (formats are sniffed); an MP4 or text as image fails."""
+    im = Image.fromarray(_rgb())
+    assert torch.equal(get_decoder(backend).decode_image(encode(im), key="x.jpg"), _expected(im))
+    mp4ish = b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom" + bytes(64)
+    with pytest.raises(DecodeError) as e:
+        get_decoder(backend).decode_image(mp4ish, key="x.jpg")
+    assert e.value.key == "x.jpg"
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height; its data is a few bytes only."""
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(
+            ">I", zlib.crc32(tag + body) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("size", [(100_000, 100_000), (10_000, 10_000), (20_000, 5)])
+def test_bomb_header_is_refused_before_decoding(backend, size, monkeypatch):
+    dec = get_decoder(backend, limits=DecodeLimits(max_image_pixels=50_000))
+    # the library's decode must never be reached
+    if backend == "torchvision":
+        import torchvision.io
+
+        monkeypatch.setattr(torchvision.io, "decode_image", _never)
+        monkeypatch.setattr(torchvision.io, "decode_jpeg", _never)
+    if backend == "torchcodec":
+        import torchcodec.decoders
+
+        monkeypatch.setattr(torchcodec.decoders, "decode_image", _never)
+    if backend == "dali":
+        monkeypatch.setattr(type(dec), "_build", _never)
+    with pytest.raises(DecodeLimitError) as e:
+        dec.decode_image(_png_header(*size), key="bomb")
+    assert e.value.key == "bomb" and e.value.reason == "too_large"
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("decoded pixels although the header was over the cap")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cap_applies_to_real_images_and_default_cap_passes_them(backend):
+    data = encode(Image.fromarray(_rgb(64, 64)))
+    assert get_decoder(backend).decode_image(data).shape == (3, 64, 64)
+    get_decoder(backend, limits=DecodeLimits(max_image_pixels=64 * 64)).decode_image(data)
+    with pytest.raises(DecodeLimitError, match="64x64"):
+        get_decoder(backend, limits=DecodeLimits(max_image_pixels=64 * 64 - 1)).decode_image(data)
+
+
+@pytest.mark.parametrize("target,expected", [((240, 320), (240, 320)), ((100, 150), (120, 160)),
+                                             ((60, 80), (60, 80)), ((10, 10), (60, 80)),
+                                             ((241, 100), (480, 640))])
+def test_jpeg_reduce_to_uses_dct_scaling(target, expected):
+    """Pillow's draft scales by 1/2, 1/4 or 1/8 and never below the target (H, W)."""
+    big = np.asarray(Image.fromarray(_smooth()).resize((640, 480)))
+    data = encode(Image.fromarray(big), "JPEG", quality=90)
+    out = get_decoder("pil").decode_image(data, reduce_to=target)
+    assert tuple(out.shape) == (3, *expected)
+    full = get_decoder("pil").decode_image(data)
+    assert full.shape == (3, 480, 640)
+    # close to an area-downscale of the full decode (smooth content)
+    f = expected[0] and 480 // expected[0]
+    ref = torch.nn.functional.avg_pool2d(full[None].float(), f)[0]
+    assert (out.float() - ref).abs().mean() < 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_to_is_ignored_for_png_and_other_backends(backend):
+    data = encode(Image.fromarray(_rgb(64, 64)))
+    assert get_decoder(backend).decode_image(data, reduce_to=(8, 8)).shape == (3, 64, 64)
+    jpg = encode(Image.fromarray(_smooth()), "JPEG")
+    expected = (48, 64) if backend == "pil" else (96, 128)
+    assert tuple(get_decoder(backend).decode_image(jpg, reduce_to=(40, 60)).shape[1:]) == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoders_pickle_for_worker_processes(backend):
+    im = Image.fromarray(_rgb())
+    dec = get_decoder(backend, limits=DecodeLimits(max_image_pixels=10_000))
+    dec.decode_image(encode(im))  # a used decoder (DALI: pipeline built) must still pickle
+    copy = pickle.loads(pickle.dumps(dec))
+    assert copy.limits == dec.limits and copy.device == "cpu" and copy.name == backend
+    assert torch.equal(copy.decode_image(encode(im)), _expected(im))
+
+
+def test_torchvision_jpeg_batch_on_cpu_equals_one_by_one():
+    datas = [encode(Image.fromarray(_rgb(40 + i, 30, seed=i)), "JPEG") for i in range(3)]
+    dec = get_decoder("torchvision")
+    out = dec.decode_jpeg_batch(datas, keys=["a", "b", "c"])
+    assert [tuple(t.shape) for t in out] == [(3, 40, 30), (3, 41, 30), (3, 42, 30)]
+    assert all(torch.equal(o, dec.decode_image(d)) for o, d in zip(out, datas))
+    with pytest.raises(DecodeError) as e:
+        dec.decode_jpeg_batch([datas[0], b""], keys=["a", "b"])
+    assert e.value.key == "b"

@@ -1,0 +1,176 @@
+"""Video clips through torchcodec: the frames asked for (each frame draws its own index in its
+pixels), caps checked from metadata before decoding, and bad input as DecodeError."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from fastmm.decode import ClipSpec, DecodeError, DecodeLimitError, DecodeLimits, get_decoder
+
+try:
+    import torchcodec  # noqa: F401
+except Exception:
+    if os.environ.get("FASTMM_REQUIRE_VIDEO") == "1":
+        raise
+    pytest.skip("torchcodec is not importable (FASTMM_REQUIRE_VIDEO=1 makes this fail)",
+                allow_module_level=True)
+
+if shutil.which("ffmpeg") is None:
+    if os.environ.get("FASTMM_REQUIRE_VIDEO") == "1":
+        raise RuntimeError("FASTMM_REQUIRE_VIDEO=1 but the ffmpeg CLI is not on PATH")
+    pytest.skip("the ffmpeg CLI is needed to make test videos", allow_module_level=True)
+
+W, H, BLOCK = 64, 64, 16  # 16 blocks of 16x16 px, one bit each: frame index up to 65535
+
+
+def index_frame(i: int) -> np.ndarray:
+    """HxWx3 uint8 frame whose blocks spell i in binary (white = 1), robust to compression."""
+    bits = [(i >> b) & 1 for b in range(16)]
+    grid = np.array(bits, dtype=np.uint8).reshape(4, 4) * 255
+    return np.repeat(np.repeat(grid, BLOCK, 0), BLOCK, 1)[:, :, None].repeat(3, 2)
+
+
+def read_index(frame: torch.Tensor) -> int:
+    """Index drawn in a decoded CxHxW frame (the block means, thresholded)."""
+    means = frame.float().mean(0).reshape(4, BLOCK, 4, BLOCK).mean((1, 3)).flatten()
+    return sum(1 << b for b in range(16) if means[b] > 128)
+
+
+def make_mp4(num_frames: int, fps: int = 24, keyint: int = 8) -> bytes:
+    raw = b"".join(index_frame(i).tobytes() for i in range(num_frames))
+    cmd = ["ffmpeg", "-v", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{W}x{H}",
+           "-r", str(fps), "-i", "-", "-c:v", "libx264", "-g", str(keyint), "-pix_fmt",
+           "yuv420p", "-movflags", "frag_keyframe+empty_moov", "-f", "mp4", "-"]
+    return subprocess.run(cmd, input=raw, capture_output=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def mp4() -> bytes:
+    return make_mp4(48)
+
+
+@pytest.fixture(scope="module")
+def dec():
+    return get_decoder("torchcodec")
+
+
+def test_index_pattern_roundtrip():
+    for i in (0, 1, 47, 1234, 65535):
+        assert read_index(torch.from_numpy(index_frame(i)).permute(2, 0, 1)) == i
+
+
+def _check(clip, idx, n):
+    assert clip.dtype == torch.uint8 and clip.shape == (n, 3, H, W)
+    assert [read_index(f) for f in clip] == idx
+
+
+@pytest.mark.parametrize("spec,expected", [
+    (ClipSpec(num_frames=4), [0, 1, 2, 3]),
+    (ClipSpec(num_frames=5, stride=4), [0, 4, 8, 12, 16]),
+    (ClipSpec(num_frames=4, fps=6.0), [0, 4, 8, 12]),
+    (ClipSpec(num_frames=6, sampling="uniform"), [0, 9, 19, 28, 38, 47]),
+    (ClipSpec(num_frames=2, stride=47), [0, 47]),
+])
+def test_clip_frames_are_the_frames_asked_for(dec, mp4, spec, expected):
+    clip, idx = dec.decode_clip(mp4, spec, key="v")
+    assert idx == expected
+    _check(clip, idx, spec.num_frames)
+
+
+def test_random_clips_seeded_and_from_generator(dec, mp4):
+    spec = ClipSpec(num_frames=4, stride=3, sampling="random", seed=11)
+    starts = set()
+    for k in range(12):
+        clip, idx = dec.decode_clip(mp4, spec, key=f"v{k}")
+        _check(clip, idx, 4)
+        assert [i - idx[0] for i in idx] == [0, 3, 6, 9] and 0 <= idx[0] <= 48 - 10
+        assert dec.decode_clip(mp4, spec, key=f"v{k}")[1] == idx  # same key, same clip
+        starts.add(idx[0])
+    assert len(starts) > 3
+    g = torch.Generator().manual_seed(0)
+    clip, idx = dec.decode_clip(mp4, ClipSpec(num_frames=3, sampling="random"), generator=g)
+    assert idx == ClipSpec(num_frames=3, sampling="random").frame_indices(
+        48, generator=torch.Generator().manual_seed(0))
+    _check(clip, idx, 3)
+
+
+def test_caps_checked_from_metadata_before_decoding(dec, mp4, monkeypatch):
+    import torchcodec.decoders
+
+    def never(*a, **k):
+        raise AssertionError("decoded frames although the clip was over a cap")
+
+    monkeypatch.setattr(torchcodec.decoders.VideoDecoder, "get_frames_at", never)
+    small = {"max_clip_frames": 3}, {"max_clip_pixels": 4 * W * H - 1}, {"max_image_pixels": 100}
+    for kw in small:
+        d = get_decoder("torchcodec", limits=DecodeLimits(**kw))
+        with pytest.raises(DecodeLimitError) as e:
+            d.decode_clip(mp4, ClipSpec(num_frames=4), key="big")
+        assert e.value.key == "big" and e.value.reason == "too_large"
+
+
+def test_caps_at_the_limit_pass(mp4):
+    d = get_decoder("torchcodec", limits=DecodeLimits(max_clip_frames=4,
+                                                     max_clip_pixels=4 * W * H))
+    clip, idx = d.decode_clip(mp4, ClipSpec(num_frames=4), key="ok")
+    _check(clip, idx, 4)
+
+
+def test_too_short_video(dec):
+    with pytest.raises(DecodeError) as e:
+        dec.decode_clip(make_mp4(5), ClipSpec(num_frames=4, stride=2), key="short")
+    assert (e.value.reason, e.value.key) == ("too_short", "short")
+
+
+@pytest.mark.parametrize("name", ["empty", "text", "truncated", "random", "png", "audio_only",
+                                  "zero_frames", "moov_truncated"])
+def test_bad_video_raises_decode_error_with_key(dec, mp4, name):
+    if name == "png":  # wrong extension: an image stored as .mp4 makes a one-frame "video"
+        from PIL import Image
+        import io
+
+        buf = io.BytesIO()
+        Image.fromarray(index_frame(3)).save(buf, "PNG")
+        data = buf.getvalue()
+    elif name == "audio_only":
+        data = subprocess.run(
+            ["ffmpeg", "-v", "error", "-f", "lavfi", "-i", "anullsrc=r=8000:cl=mono", "-t",
+             "0.5", "-c:a", "aac", "-movflags", "frag_keyframe+empty_moov", "-f", "mp4", "-"],
+            capture_output=True, check=True).stdout
+    elif name == "zero_frames":  # ffmpeg writes an MP4 with no stream at all
+        data = _plain_mp4(["-f", "lavfi", "-i", "color=c=black:s=64x64:r=24", "-frames:v", "0"])
+    elif name == "moov_truncated":  # a plain (non-fragmented) MP4 keeps its index at the end
+        raw = b"".join(index_frame(i).tobytes() for i in range(24))
+        data = _plain_mp4(["-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{W}x{H}", "-i", "-"],
+                          raw)
+        data = data[: len(data) - 200]
+    else:
+        data = {"empty": b"", "text": b"not a video\n" * 50, "truncated": mp4[:300],
+                "random": np.random.default_rng(0).integers(0, 256, 8192, np.uint8).tobytes(),
+                }[name]
+    with pytest.raises(DecodeError) as e:
+        dec.decode_clip(data, ClipSpec(num_frames=4), key=f"v/{name}")
+    assert e.value.key == f"v/{name}"
+    assert e.value.reason == {"empty": "empty", "png": "too_short", "audio_only": "no_video",
+                              "zero_frames": "no_video"}.get(name, "corrupt")
+
+
+def _plain_mp4(inputs: list[str], raw: bytes | None = None) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "v.mp4")
+        subprocess.run(["ffmpeg", "-v", "error", *inputs, "-c:v", "libx264", "-pix_fmt",
+                        "yuv420p", path], input=raw, check=True)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def test_images_have_no_clips():
+    for name in ("pil", "torchvision"):
+        assert not hasattr(get_decoder(name), "decode_clip")
