@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import zlib
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("torchvision")
 pytest.importorskip("PIL")
 
-from fastmm.bench import harness, stats  # noqa: E402
+from fastmm.bench import harness, stats, workloads  # noqa: E402
 
 ENV_KEYS = {
     "timestamp_utc", "command", "argv", "cwd", "python", "python_implementation", "platform",
@@ -26,15 +30,26 @@ WINDOW_KEYS = {
 }
 LOADER_KEYS = WINDOW_KEYS | {
     "teardown_s", "workers_alive_after_teardown", "workers_alive_before_start", "first_batch_crc32",
+    "fetch_wait_s",
 }
 MEMORY_KEYS = LOADER_KEYS | {
     "peak_total_pss_bytes", "main_pss_bytes_at_peak", "workers_pss_bytes_at_peak", "pss_sweeps",
     "pss_sweep_mean_s", "pss_sampler_cpu_s", "pss_processes_seen", "baseline_pss_bytes",
+    "peak_shmem_bytes", "baseline_shmem_bytes", "pss_max_duty",
 }
+PACED_KEYS = MEMORY_KEYS | {"pace_step_s"}
 ARM_SUMMARY_KEYS = {
     "samples_per_s", "bytes_per_s", "first_batch_s", "teardown_s", "window_s", "cpu_ms_per_sample",
     "other_processes_cpu_cores", "peak_total_pss_bytes", "peak_pss_over_baseline_bytes",
-    "samples_per_s_with_pss_sampler",
+    "peak_shmem_over_baseline_bytes", "samples_per_s_with_pss_sampler", "paced_peak_total_pss_bytes",
+    "paced_peak_pss_over_baseline_bytes", "paced_peak_shmem_over_baseline_bytes",
+    "paced_samples_per_s", "paced_fetch_wait_s",
+}
+MEMORY_CONDITION_KEYS = {
+    "torch_samples_per_s", "fastmm_samples_per_s", "torch_peak_total_pss_bytes",
+    "fastmm_peak_total_pss_bytes", "torch_peak_pss_over_baseline_bytes",
+    "fastmm_peak_pss_over_baseline_bytes", "ratio_over_baseline_fastmm_over_torch", "met",
+    "met_on_total", "torch_peak_shmem_over_baseline_bytes", "fastmm_peak_shmem_over_baseline_bytes",
 }
 STAT_KEYS = {"n", "median", "min", "max", "ci95_low", "ci95_high"}
 
@@ -66,7 +81,7 @@ def test_cli_writes_results_json(run):
     argv, out, proc = run
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"format", "environment", "settings", "method", "cases", "total_s"}
-    assert results["format"] == 1
+    assert results["format"] == 2
 
     env = results["environment"]
     assert set(env) == ENV_KEYS
@@ -78,12 +93,14 @@ def test_cli_writes_results_json(run):
 
     settings = results["settings"]
     assert settings["reps"] == 2 and settings["mem_reps"] == 1
+    assert settings["consume"] == "sum64" and settings["pace_factor"] == 1.5
+    assert results["method"]["consumer"].startswith("sum64:")
     assert settings["clip_modes"] == ["view"] and settings["decode_batch_sizes"] == [DECODE_BATCH]
 
     cases = {c["name"]: c for c in results["cases"]}
     assert list(cases) == ["transport-view-b32", f"decode-b{DECODE_BATCH}"]
     expected_arms = {
-        "transport-view-b32": ["torch", "fastmm", "single-process", "single-reuse", "crc-alone"],
+        "transport-view-b32": ["torch", "fastmm", "single-process", "single-reuse", "consume-alone"],
         f"decode-b{DECODE_BATCH}": ["torch", "fastmm", "getitem-1-thread"],
     }
     for name, case in cases.items():
@@ -91,21 +108,34 @@ def test_cli_writes_results_json(run):
         assert list(case["arms"]) == expected_arms[name]
         batch = BATCH if name.startswith("transport") else DECODE_BATCH
         assert case["batch_size"] == batch and case["num_workers"] == WORKERS
+        assert "loop: sum64 over" in case["description"]
+        step_s = case["summary"]["memory"]["paced_step_s"]
+        assert step_s == pytest.approx(
+            1.5 * batch / case["summary"]["arms"]["torch"]["samples_per_s"]["median"]
+        )
         for arm_name, arm in case["arms"].items():
             reps = arm["reps"]
             order += [r["order"] for r in reps]
             if arm["kind"] == "loader":
-                assert [r["phase"] for r in reps] == ["warmup", "timed", "timed", "memory"]
+                assert [r["phase"] for r in reps] == ["warmup", "timed", "timed", "memory", "memory-paced"]
                 for r in reps:
-                    assert set(r) == (MEMORY_KEYS if r["phase"] == "memory" else LOADER_KEYS)
+                    keys = {"memory": MEMORY_KEYS, "memory-paced": PACED_KEYS}.get(r["phase"], LOADER_KEYS)
+                    assert set(r) == keys
+                    assert r["fetch_wait_s"] <= r["window_s"]
                     assert r["warm_batches"] == WORKERS
                     assert r["batches"] % WORKERS == 0 and r["batches"] > 0
                     assert r["workers_alive_after_teardown"] == 0
                     assert r["first_batch_s"] > 0
-                mem = reps[-1]
-                assert mem["pss_processes_seen"] == 1 + WORKERS
-                assert mem["peak_total_pss_bytes"] == mem["main_pss_bytes_at_peak"] + mem["workers_pss_bytes_at_peak"]
-                assert mem["peak_total_pss_bytes"] > 0 and mem["pss_sweeps"] >= 1
+                for mem in reps[-2:]:
+                    assert mem["pss_processes_seen"] == 1 + WORKERS
+                    assert mem["peak_total_pss_bytes"] == mem["main_pss_bytes_at_peak"] + mem["workers_pss_bytes_at_peak"]
+                    assert mem["peak_total_pss_bytes"] > 0 and mem["pss_sweeps"] >= 1
+                    assert mem["peak_shmem_bytes"] >= 0 and mem["baseline_shmem_bytes"] >= 0
+                paced = reps[-1]
+                assert paced["pace_step_s"] == step_s
+                assert reps[-2]["pss_max_duty"] is None and paced["pss_max_duty"] == 0.2
+                # One step per tick of step_s: the paced loop does not run faster than the pace.
+                assert paced["samples_per_s"] <= batch / step_s * 1.1
             else:
                 assert arm["kind"] == "reference"
                 assert [r["phase"] for r in reps] == ["warmup", "timed", "timed"]
@@ -126,7 +156,8 @@ def test_cli_writes_results_json(run):
         assert set(summary) == {
             "arms", "ratio_fastmm_over_torch", "paired_ratios_fastmm_over_torch", "target",
             "other_processes_cpu_cores_max", "busy_timed_reps", "timed_reps", "discarded_busy_reps",
-        } | ({"first_batch_identical", "ceiling"} if name.startswith("transport") else {"decode_limit"})
+            "first_batch_identical", "first_batch_crc32", "memory", "busy_memory_reps",
+        } | ({"ceiling"} if name.startswith("transport") else {"decode_limit"})
         assert summary["timed_reps"] == 2 * len(expected_arms[name])
         assert summary["discarded_busy_reps"] == 0  # no --wait-quiet: nothing is redone
         assert set(summary["arms"]) == set(expected_arms[name])
@@ -135,26 +166,53 @@ def test_cli_writes_results_json(run):
             assert set(arm_summary["samples_per_s"]) == STAT_KEYS
             assert arm_summary["samples_per_s"]["n"] == 2
         assert summary["arms"]["torch"]["peak_total_pss_bytes"]["n"] == 1
-        assert summary["arms"]["crc-alone" if name.startswith("transport") else "getitem-1-thread"][
-            "peak_total_pss_bytes"
-        ] is None
+        assert summary["arms"]["torch"]["paced_peak_total_pss_bytes"]["n"] == 1
+        reference = summary["arms"]["consume-alone" if name.startswith("transport") else "getitem-1-thread"]
+        assert reference["peak_total_pss_bytes"] is None and reference["paced_peak_total_pss_bytes"] is None
+        memory = summary["memory"]
+        assert set(memory) == {
+            "target", "max_throughput", "paced", "pace_factor", "kept_pace_fraction",
+            "paced_step_s", "paced_target_samples_per_s", "kept_pace",
+        }
+        assert memory["paced_target_samples_per_s"] == pytest.approx(batch / step_s)
+        assert set(memory["kept_pace"]) == {"torch", "fastmm"}
+        for condition, prefix in (("max_throughput", ""), ("paced", "paced_")):
+            c = memory[condition]
+            assert set(c) == MEMORY_CONDITION_KEYS | ({"conclusive"} if condition == "paced" else set())
+            t = summary["arms"]["torch"][prefix + "peak_pss_over_baseline_bytes"]["median"]
+            f = summary["arms"]["fastmm"][prefix + "peak_pss_over_baseline_bytes"]["median"]
+            assert (c["torch_peak_pss_over_baseline_bytes"], c["fastmm_peak_pss_over_baseline_bytes"]) == (t, f)
+            assert c["met"] == (f <= t)
+            if condition == "paced":
+                assert c["conclusive"] == all(memory["kept_pace"].values())
+            if t > 0:
+                assert c["ratio_over_baseline_fastmm_over_torch"] == pytest.approx(f / t)
+        # Same bytes from both loaders: deterministic clips, and the same seed before every
+        # loader for the decode case's random crops.
+        assert summary["first_batch_identical"] is True
+        assert summary["first_batch_crc32"]["torch"] == summary["first_batch_crc32"]["fastmm"]
+        assert len(summary["first_batch_crc32"]["torch"]) == 1
         torch_med = summary["arms"]["torch"]["samples_per_s"]["median"]
         fastmm_med = summary["arms"]["fastmm"]["samples_per_s"]["median"]
         assert summary["ratio_fastmm_over_torch"] == pytest.approx(fastmm_med / torch_med)
         assert set(summary["target"]) == {"description", "ratio", "met"}
         if name.startswith("transport"):
-            assert summary["first_batch_identical"] is True
             ceiling = summary["ceiling"]
             assert set(ceiling) == {
-                "crc_alone_samples_per_s", "single_process_samples_per_s", "single_reuse_samples_per_s",
+                "consume_alone_samples_per_s", "single_process_samples_per_s", "single_reuse_samples_per_s",
                 "cores", "cores_x_single_process_samples_per_s", "cores_x_single_reuse_samples_per_s",
                 "torch_fraction_of_ceiling", "fastmm_fraction_of_ceiling",
                 "highest_possible_ratio_over_torch",
             }
-            assert ceiling["crc_alone_samples_per_s"] == summary["arms"]["crc-alone"]["samples_per_s"]["median"]
+            assert ceiling["consume_alone_samples_per_s"] == summary["arms"]["consume-alone"]["samples_per_s"]["median"]
             assert ceiling["highest_possible_ratio_over_torch"] == pytest.approx(
-                ceiling["crc_alone_samples_per_s"] / torch_med
+                ceiling["consume_alone_samples_per_s"] / torch_med
             )
+            # The single-process arms read the same deterministic clips: same first batch.
+            for arm_name in ("single-process", "single-reuse"):
+                assert {r["first_batch_crc32"] for r in case["arms"][arm_name]["reps"]} == set(
+                    summary["first_batch_crc32"]["torch"]
+                )
             assert summary["target"]["ratio"] == 3.0
         else:
             limit = summary["decode_limit"]
@@ -176,11 +234,16 @@ def test_cli_prints_table_and_writes_markdown(run):
     _, out, proc = run
     assert "samples/s median [min-max]" in proc.stdout
     assert "fastmm/torch =" in proc.stdout
-    # One progress line on stderr per repetition: 2 loaders x 4 + 3 references x 3, then 2 x 4 + 1 x 3.
+    # One progress line on stderr per repetition: 2 loaders x 5 + 3 references x 3, then 2 x 5 + 1 x 3.
     progress = [line for line in proc.stderr.splitlines() if line.startswith("[")]
-    assert len(progress) == (2 * 4 + 3 * 3) + (2 * 4 + 1 * 3)
+    assert len(progress) == (2 * 5 + 3 * 3) + (2 * 5 + 1 * 3)
+    assert sum("paced" in line for line in progress) == 2 * 2
     summary = (out / "summary.md").read_text()
     assert "## transport-view-b32" in summary and f"## decode-b{DECODE_BATCH}" in summary
+    assert "sum64" in summary
+    for text in (proc.stdout, summary):
+        assert text.count("peak PSS at full speed:") == 2 and text.count("peak PSS paced (") == 2
+        assert text.count("first batch: torch and fastmm agree") == 2
 
 
 def test_summarize_exact():
@@ -198,3 +261,56 @@ def test_wait_for_quiet_reports_what_it_saw():
     assert quiet["quiet_wait_s"] == pytest.approx(0.05)
     assert quiet["quiet_before_start"] is True
     assert quiet["other_processes_cpu_cores_before_start"] >= 0.0
+
+
+def test_pss_sampler_duty_limit():
+    free = harness.PssSampler(interval=0.01)
+    limited = harness.PssSampler(interval=0.01, max_duty=0.1)
+    for sampler in (free, limited):
+        sampler.start()
+    time.sleep(0.6)
+    free_fig, limited_fig = free.stop(), limited.stop()
+    assert limited_fig["pss_max_duty"] == 0.1 and free_fig["pss_max_duty"] is None
+    # Sweeping at most 10% of the time: far fewer sweeps than back to back every 10 ms.
+    assert limited_fig["pss_sweeps"] < free_fig["pss_sweeps"]
+    busy = limited_fig["pss_sweeps"] * limited_fig["pss_sweep_mean_s"]
+    assert busy <= 0.6 * 0.1 * 1.5 + limited_fig["pss_sweep_mean_s"]
+    assert limited_fig["peak_total_pss_bytes"] > 0 and limited_fig["peak_shmem_bytes"] is not None
+
+
+def test_sum64_reads_every_byte():
+    data = bytes(range(13))  # 13 bytes: one uint64 word and 5 tail bytes
+    batch = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert workloads.sum64(batch) == int.from_bytes(data[:8], "little") + sum(data[8:])
+    assert workloads.sum64(torch.empty(0, dtype=torch.uint8)) == 0
+    words = torch.full((4,), 0xFF, dtype=torch.uint8).repeat(8)  # 4 words of 2**64 - 1: wraps
+    assert workloads.sum64(words) == (4 * (2**64 - 1)) % 2**64
+    clip = torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    expected = int(np.frombuffer(clip.numpy().tobytes()[:104], dtype="<u8").sum(dtype=np.uint64))
+    expected += sum(clip.numpy().tobytes()[104:])
+    assert workloads.sum64(clip) == expected % 2**64
+    strided = clip.transpose(0, 2)  # not contiguous: read in logical order like a copy
+    assert workloads.sum64(strided) == workloads.sum64(strided.contiguous())
+    assert workloads.crc32(clip) == zlib.crc32(clip.numpy().tobytes())
+    assert workloads.first_batch_digest(clip) == zlib.crc32(clip.numpy().tobytes())
+    assert set(workloads.CONSUMERS) == {"sum64", "crc32"} and workloads.DEFAULT_CONSUMER == "sum64"
+
+
+def test_paced_steps_last_step_s():
+    clip = torch.zeros(8, dtype=torch.uint8)
+
+    def make():
+        return torch.utils.data.DataLoader([clip] * 10_000, batch_size=2, num_workers=0)
+
+    calls = []
+
+    def consume(batch):
+        calls.append(len(batch))
+        return workloads.sum64(batch)
+
+    fig = harness.run_loader(make, 0, 0.1, consume, step_s=0.02)
+    assert calls and all(n == 2 for n in calls)
+    assert fig["pace_step_s"] == 0.02 and fig["batches"] >= 5
+    assert fig["samples_per_s"] == pytest.approx(2 / 0.02, rel=0.15)
+    assert fig["samples_per_s"] <= 2 / 0.02 * 1.1
+    assert fig["first_batch_crc32"] == zlib.crc32(bytes(16))

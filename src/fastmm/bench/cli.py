@@ -28,11 +28,14 @@ from .corpus import default_cache_dir, ensure_corpus
 from .workloads import CONSUMERS, DEFAULT_CONSUMER, ClipBankDataset, JpegFolderDataset
 
 WORKLOADS = ("transport", "decode")
-RESULTS_FORMAT = 1
+RESULTS_FORMAT = 2  # 2: consumer choice, consume-alone, paced memory repetitions, Shmem
 BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
-BUSY_RETRIES = 2  # with --wait-quiet, a busy timed repetition is redone at most this many times
+BUSY_RETRIES = 2  # with --wait-quiet, a busy timed or memory repetition is redone at most this often
 PACE_FACTOR = 1.5  # paced memory repetitions: step = PACE_FACTOR x torch's median batch interval
-KEPT_PACE = 0.95  # a paced repetition kept pace if the loop waited for batches <= 5% of its window
+KEPT_PACE = 0.90  # a paced repetition kept pace if the loop waited for batches <= 10% of its window
+# The PSS sampler sweeps at most this fraction of the time in paced repetitions: at 50 ms it
+# takes about a core, which on a small machine keeps the workers from holding the pace at all.
+PACED_PSS_MAX_DUTY = 0.2
 MEMORY_TARGET = "fastmm's peak PSS no higher than torch's (peak over idle, medians)"
 
 QUICK = {
@@ -89,7 +92,8 @@ def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: 
 
     def run(min_seconds: float, sample_pss: bool, step_s: float | None) -> dict:
         return harness.run_loader(make, num_workers, min_seconds, consume, sample_pss=sample_pss,
-                                  step_s=step_s)
+                                  step_s=step_s,
+                                  pss_max_duty=PACED_PSS_MAX_DUTY if step_s is not None else None)
 
     return Arm(
         name,
@@ -221,7 +225,8 @@ def run_case(case: Case, args) -> dict:
     def one(arm: Arm, phase: str, index: int, min_seconds: float, sample_pss: bool, label: str,
             step_s: float | None = None):
         nonlocal order
-        for attempt in range(1 + (BUSY_RETRIES if args.wait_quiet > 0 and phase == "timed" else 0)):
+        redo = args.wait_quiet > 0 and phase != "warmup"
+        for attempt in range(1 + (BUSY_RETRIES if redo else 0)):
             quiet = harness.wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else {}
             if quiet and not quiet["quiet_before_start"]:
                 _log(f"[{case.name}] the machine stayed busy for {args.wait_quiet:.0f} s "
@@ -231,7 +236,7 @@ def run_case(case: Case, args) -> dict:
             fig = {"phase": phase, "rep": index, "order": order, "started_unix_s": started, **quiet, **fig}
             order += 1
             busy = (fig.get("other_processes_cpu_cores") or 0.0) > BUSY_CORES
-            retry = busy and args.wait_quiet > 0 and phase == "timed" and attempt < BUSY_RETRIES
+            retry = busy and redo and attempt < BUSY_RETRIES
             if retry:  # kept in the record, left out of the statistics, and run again
                 fig["phase"] = f"{phase}-busy-discarded"
             reps[arm.name].append(fig)
@@ -374,18 +379,22 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
     summary["first_batch_identical"] = len(set(digests["torch"] + digests["fastmm"])) == 1
     paced_rate = case.batch_size / step_s if step_s else None
     paced_reps = {name: [r for r in reps[name] if r["phase"] == "memory-paced"] for name in ("torch", "fastmm")}
+    kept_pace = {
+        name: all(_kept_pace(r) for r in figs) if figs else None for name, figs in paced_reps.items()
+    }
+    paced = _memory_condition(arms, "paced_")
+    if paced is not None:
+        # The paced comparison means something only if both loaders held full buffers.
+        paced["conclusive"] = all(kept_pace.values())
     summary["memory"] = {
         "target": MEMORY_TARGET,
         "max_throughput": _memory_condition(arms, ""),
-        "paced": _memory_condition(arms, "paced_"),
+        "paced": paced,
         "pace_factor": PACE_FACTOR,
         "kept_pace_fraction": KEPT_PACE,
         "paced_step_s": step_s,
         "paced_target_samples_per_s": paced_rate,
-        "kept_pace": {
-            name: all(_kept_pace(r) for r in figs) if figs else None
-            for name, figs in paced_reps.items()
-        },
+        "kept_pace": kept_pace,
     }
     if case.workload == "transport":
         consume_alone = arms["consume-alone"]["samples_per_s"]["median"]
@@ -442,6 +451,12 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
         if r["phase"] == "timed" and (r["other_processes_cpu_cores"] or 0.0) > BUSY_CORES
     )
     summary["timed_reps"] = sum(1 for figs in reps.values() for r in figs if r["phase"] == "timed")
+    summary["busy_memory_reps"] = sum(
+        1
+        for figs in reps.values()
+        for r in figs
+        if r["phase"].startswith("memory") and (r["other_processes_cpu_cores"] or 0.0) > BUSY_CORES
+    )
     summary["discarded_busy_reps"] = sum(
         1 for figs in reps.values() for r in figs if r["phase"].endswith("-busy-discarded")
     )
@@ -493,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"~3 GB/s) (default {DEFAULT_CONSUMER})")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="before each repetition, wait up to SECONDS until other processes use "
-                        f"< {BUSY_CORES} cores, and redo (up to {BUSY_RETRIES} times) a timed repetition "
+                        f"< {BUSY_CORES} cores, and redo (up to {BUSY_RETRIES} times) a timed or memory repetition "
                         "during which they used more; the busy one stays in the JSON with phase "
                         "'<phase>-busy-discarded' (default 0: neither wait nor redo)")
     return parser
@@ -574,6 +589,7 @@ def main(argv=None) -> int:
             "pace_factor": PACE_FACTOR,
             "kept_pace_fraction": KEPT_PACE,
             "pss_interval_s": harness.PSS_INTERVAL_S,
+            "paced_pss_max_duty": PACED_PSS_MAX_DUTY,
             "wait_quiet_s": args.wait_quiet,
             "busy_threshold_cores": BUSY_CORES,
             "cores_for_limits": args.cores,

@@ -14,15 +14,19 @@ Timing rules (the same for every arm, so the arms compare like for like):
 * The first batch's CRC-32 (the correctness digest) is computed after ``first_batch_s`` is taken
   and before the window's clock starts, so it is in neither figure.
 * The consumer (the training-loop stand-in) is passed in explicitly by the caller.
-* Paced repetitions (``step_s``): after consuming a batch the loop sleeps, still holding the
-  batch, until ``step_s`` has passed since the batch arrived, so every step lasts ``step_s``
-  when the loader keeps up: a consumer-bound loop, with the loader's prefetch buffers full.
+* Paced repetitions (``step_s``): the loop runs on a fixed clock, one step every ``step_s``
+  from the arrival of the first batch. In each step it consumes the batch, sleeps holding it
+  until the step's tick, then drops it and fetches the next, so dropping and fetching are inside
+  the step too and the loop's period is ``step_s`` for any loader that keeps up: a
+  consumer-bound loop, with the loader's prefetch buffers full. A step that overruns its tick
+  moves the clock to that moment (no catching up in a burst).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,11 +97,18 @@ class PssSampler(threading.Thread):
     A sweep is not free: the kernel walks every page table to compute PSS, tens of ms for a
     process with torch loaded. That is why the harness samples in dedicated memory repetitions
     and keeps it out of the timed ones; ``cpu_s`` records what the sampling itself cost.
+
+    With ``max_duty`` the thread sweeps at most that fraction of the time: after a sweep of
+    ``t`` seconds it waits ``max(interval - t, t * (1 / max_duty - 1))``, times a random factor
+    in [0.5, 1.5] (seeded) so that it does not lock onto the phase of a periodic loop. Without
+    it, it sweeps every ``interval`` or back to back, about one core on a loaded machine.
     """
 
-    def __init__(self, interval: float = PSS_INTERVAL_S):
+    def __init__(self, interval: float = PSS_INTERVAL_S, max_duty: float | None = None, seed: int = 0):
         super().__init__(name="fastmm-bench-pss", daemon=True)
         self.interval = interval
+        self.max_duty = max_duty
+        self._random = random.Random(seed)
         self._stop_event = threading.Event()
         self._procs: dict[int, psutil.Process] = {}
         self.main_pid = os.getpid()
@@ -148,7 +159,10 @@ class PssSampler(threading.Thread):
             took = time.perf_counter() - start
             self.sweeps += 1
             self.sweep_s += took
-            self._stop_event.wait(max(0.0, self.interval - took))
+            wait = max(0.0, self.interval - took)
+            if self.max_duty is not None:
+                wait = max(wait, took * (1.0 / self.max_duty - 1.0)) * self._random.uniform(0.5, 1.5)
+            self._stop_event.wait(wait)
         self.cpu_s = time.thread_time() - cpu0
 
     def stop(self) -> dict:
@@ -163,6 +177,7 @@ class PssSampler(threading.Thread):
             "pss_sweep_mean_s": self.sweep_s / max(1, self.sweeps),
             "pss_sampler_cpu_s": self.cpu_s,
             "pss_processes_seen": 1 + len(self.pids_seen),
+            "pss_max_duty": self.max_duty,
             "peak_shmem_bytes": self.peak_shmem,
         }
 
@@ -258,17 +273,18 @@ class _Window:
 
 
 def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consumer,
-               sample_pss: bool = False, step_s: float | None = None) -> dict:
+               sample_pss: bool = False, step_s: float | None = None,
+               pss_max_duty: float | None = None) -> dict:
     """One repetition of a multi-process loader arm (torch or fastmm): fresh loader, every
     batch read by ``consume``. With ``step_s`` the repetition is paced (see the module
     docstring); otherwise the loop runs as fast as the loader delivers and drops each batch
-    right after consuming it."""
+    right after consuming it. ``pss_max_duty``: see :class:`PssSampler`."""
     gc.collect()
     leftover = _wait_for_children()
     sampler = None
     baseline = None
     if sample_pss:
-        sampler = PssSampler()
+        sampler = PssSampler(max_duty=pss_max_duty)
         baseline = sum(sampler.sweep())
         baseline_shmem = shmem_bytes()
     load1 = os.getloadavg()[0]
@@ -280,6 +296,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
         sampler.start()
     digest = []
     fetch_wait = 0.0  # time the loop spent blocked in next() inside the window
+    tick = None  # paced: the end of the current step
     while True:
         asked = time.perf_counter()
         try:
@@ -289,13 +306,18 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
         received = time.perf_counter()
         if window.start is not None:
             fetch_wait += received - asked
+        if tick is None:
+            tick = received
         consume(batch)
         done = window.add(len(batch), batch_nbytes(batch),
                           on_first=lambda b=batch: digest.append(first_batch_digest(b)))
         if step_s is not None and not done:
-            remaining = received + step_s - time.perf_counter()
+            tick += step_s
+            remaining = tick - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)  # the step goes on, the batch still held
+            else:
+                tick = time.perf_counter()  # overran: the clock moves, no catching up
         del batch
         if done:
             break
