@@ -455,7 +455,7 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
         1
         for figs in reps.values()
         for r in figs
-        if r["phase"].startswith("memory") and (r["other_processes_cpu_cores"] or 0.0) > BUSY_CORES
+        if r["phase"] in ("memory", "memory-paced") and (r["other_processes_cpu_cores"] or 0.0) > BUSY_CORES
     )
     summary["discarded_busy_reps"] = sum(
         1 for figs in reps.values() for r in figs if r["phase"].endswith("-busy-discarded")

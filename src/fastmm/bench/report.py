@@ -305,11 +305,14 @@ def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoad
         "untimed warm-up; fresh DataLoader per repetition, built right after "
         f"torch.manual_seed({st['seed']}). Loop consumer: {CONSUMERS[st['consume']][1]}. Peak "
         f"PSS comes from {st['mem_reps']} extra repetition(s) per loader and condition with the "
-        "50 ms PSS sampler on: at full speed (each loader as fast as it goes) and paced (every "
-        f"loop step, consume then sleep holding the batch, lasts {st['pace_factor']:g} x torch's "
-        "median batch interval from the timed repetitions, the same for both loaders, so both "
-        "are consumer-bound with full prefetch buffers). Figures are medians with [min-max]; the "
-        "JSON has every repetition.",
+        "PSS sampler on: at full speed (each loader as fast as it goes; a sweep every "
+        f"{st['pss_interval_s'] * 1e3:.0f} ms or back to back) and paced (the loop runs on a "
+        f"fixed clock of {st['pace_factor']:g} x torch's median batch interval from the timed "
+        "repetitions, the same for both loaders, consuming each batch and sleeping while holding "
+        "it, so both are consumer-bound with full prefetch buffers; the sampler sweeps at most "
+        f"{st['paced_pss_max_duty']:.0%} of the time, at jittered intervals, so that it leaves the "
+        "workers enough CPU to hold the pace). Figures are medians with [min-max]; the JSON has "
+        "every repetition.",
     ]
     for case in results["cases"]:
         out += ["", f"## {case['name']}", "", _case_title(case), "", _table(_rows(case), markdown=True), ""]
