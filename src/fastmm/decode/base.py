@@ -203,7 +203,36 @@ def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None) 
     return img.contiguous()
 
 
-# name -> module path; each module defines ``Decoder`` and ``PACKAGE`` (what to pip install)
+
+class LibraryDecoder:
+    """What the library-backed image decoders share: caps from the header first, the
+    library's errors as DecodeError, then the common colour rules. Subclasses set ``label``
+    and implement ``_decode_chw(data)``."""
+
+    name = ""
+    label = ""
+
+    def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
+        self.device = device
+        self.limits = limits or DecodeLimits()
+
+    def decode_image(
+        self, data: bytes, *, key: str = "", reduce_to: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """uint8 3xHxW RGB (``reduce_to`` is accepted and ignored: full size)."""
+        probe_image(data, key, self.limits)
+        try:
+            img = self._decode_chw(data)
+        except Exception as e:
+            raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
+        return to_rgb_chw(img, key, self.limits)
+
+    def _decode_chw(self, data: bytes) -> torch.Tensor:
+        raise NotImplementedError
+
+
+# name -> module path; each module defines ``Decoder``. What to pip install for each is in
+# _PACKAGES here, since a missing package means its module cannot be imported to ask it.
 DECODERS: dict[str, str] = {
     "pil": "fastmm.decode.pil",
     "torchvision": "fastmm.decode.torchvision",

@@ -12,17 +12,15 @@ import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
-from .base import DecodeError, DecodeLimits, probe_image, to_rgb_chw
-
-PACKAGE = "nvidia-dali-cuda130"
+from .base import DecodeLimits, LibraryDecoder
 
 
-class Decoder:
+class Decoder(LibraryDecoder):
     name = "dali"
+    label = "DALI"
 
     def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
-        self.device = device
-        self.limits = limits or DecodeLimits()
+        super().__init__(device=device, limits=limits)
         self._pipe = None
 
     def __getstate__(self):  # a built pipeline cannot travel to worker processes
@@ -45,11 +43,7 @@ class Decoder:
         p.build()
         return p
 
-    def decode_image(
-        self, data: bytes, *, key: str = "", reduce_to: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        """uint8 3xHxW RGB (``reduce_to`` is accepted and ignored: full size)."""
-        probe_image(data, key, self.limits)
+    def _decode_chw(self, data: bytes) -> torch.Tensor:
         if self._pipe is None:
             self._pipe = self._build()
         try:
@@ -57,9 +51,9 @@ class Decoder:
             (out,) = self._pipe.run()
         except Exception as e:
             self._pipe = None  # a failed run may leave the pipeline unusable; rebuild next time
-            raise DecodeError("corrupt", key, f"DALI could not decode: {str(e)[:300]}") from None
+            raise RuntimeError(str(e)[:300]) from None  # DALI's messages run to pages
         if self.device.startswith("cuda"):
             hwc = torch.from_dlpack(out.as_tensor()._expose_dlpack_capsule())[0]
         else:
             hwc = torch.from_numpy(np.array(out.at(0)))
-        return to_rgb_chw(hwc.permute(2, 0, 1), key, self.limits)
+        return hwc.permute(2, 0, 1)

@@ -15,8 +15,6 @@ from PIL import Image
 
 from .base import DecodeError, DecodeLimitError, DecodeLimits
 
-PACKAGE = "pillow"
-
 
 class Decoder:
     name = "pil"

@@ -11,31 +11,17 @@ from __future__ import annotations
 import torch
 from torchcodec import decoders as tcd
 
-from .base import ClipSpec, DecodeError, DecodeLimits, probe_image, to_rgb_chw
-
-PACKAGE = "torchcodec"
+from .base import ClipSpec, DecodeError, LibraryDecoder, to_rgb_chw
 
 
-class Decoder:
+class Decoder(LibraryDecoder):
     name = "torchcodec"
+    label = "torchcodec"
 
-    def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
-        self.device = device
-        self.limits = limits or DecodeLimits()
-
-    def decode_image(
-        self, data: bytes, *, key: str = "", reduce_to: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        """uint8 3xHxW RGB on the CPU (``reduce_to`` is accepted and ignored: full size)."""
-        probe_image(data, key, self.limits)
-        try:
-            img = tcd.decode_image(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                mode="RGB", output_dtype="auto",
-            )
-        except Exception as e:
-            raise DecodeError("corrupt", key, f"torchcodec could not decode: {e}") from None
-        return to_rgb_chw(img, key, self.limits)
+    def _decode_chw(self, data: bytes) -> torch.Tensor:
+        return tcd.decode_image(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8), mode="RGB", output_dtype="auto"
+        )
 
     def decode_clip(
         self, data: bytes, spec: ClipSpec, *, key: str = "",

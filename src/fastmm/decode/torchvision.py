@@ -11,9 +11,7 @@ import warnings
 import torch
 import torchvision.io as tvio
 
-from .base import DecodeError, DecodeLimits, probe_image, to_rgb_chw
-
-PACKAGE = "torchvision"
+from .base import DecodeError, LibraryDecoder, probe_image
 
 
 def _decode(data: bytes) -> torch.Tensor:
@@ -28,23 +26,12 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-class Decoder:
+class Decoder(LibraryDecoder):
     name = "torchvision"
+    label = "torchvision"
 
-    def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
-        self.device = device
-        self.limits = limits or DecodeLimits()
-
-    def decode_image(
-        self, data: bytes, *, key: str = "", reduce_to: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        """uint8 3xHxW RGB on the CPU (``reduce_to`` is accepted and ignored: full size)."""
-        probe_image(data, key, self.limits)
-        try:
-            img = _decode(data)
-        except Exception as e:
-            raise DecodeError("corrupt", key, f"torchvision could not decode: {e}") from None
-        return to_rgb_chw(img, key, self.limits)
+    def _decode_chw(self, data: bytes) -> torch.Tensor:
+        return _decode(data)
 
     def decode_jpeg_batch(self, datas: list[bytes], *, keys: list[str] | None = None):
         """Decode JPEGs together; on CUDA through nvJPEG in one call (GPU check pending).
