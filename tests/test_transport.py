@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 import fastmm
+from fastmm.slabs import _address
 from _shm import private_tmpfs, used_bytes
 
 
@@ -216,3 +217,49 @@ def test_full_shm_is_a_clear_error_not_a_sigbus(path, monkeypatch, helpers_befor
         del info  # its traceback holds the iterator
         gc.collect()
         assert _wait_until(lambda: _children() <= helpers_before)
+
+
+def _slab_pss(pid: int, starts: set[int] | None = None) -> int:
+    """Proportional resident bytes of a process's slab mappings (files on /dev/shm or memfd),
+    or only of those starting at ``starts``."""
+    total, slab = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                start = int(first.split("-")[0], 16)
+                slab = ("/dev/shm/" in line or "/memfd:" in line) and (
+                    starts is None or start in starts
+                )
+            elif slab and line.startswith("Pss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+class Big(Dataset):
+    """4 MiB samples, so that a batch of 2 is 8 MiB."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.full((4, 1024, 1024), i % 251, dtype=torch.uint8)
+
+
+def test_slow_loop_maps_only_the_batch_in_hand(path):
+    """A loop slower than its workers: what is waiting or free is mapped by no process, so the
+    slabs' PSS over main and workers is about the batch being read, not the whole ring."""
+    batch_bytes = 2 * 4 * 1024 * 1024
+    it = iter(fastmm.DataLoader(Big(), batch_size=2, num_workers=2))
+    peaks, ring = [], 0
+    for k, batch in enumerate(it):
+        assert int(batch[0, 0, 0, 0]) == 2 * k
+        batch.sum()  # the loop reads the whole batch
+        time.sleep(0.1)  # ... and computes for 100 ms, while the workers sit idle
+        if k >= 4:
+            ours = {_address(mm) for mm in it._ring._maps.values()}  # not other tests' slabs
+            peaks.append(_slab_pss(os.getpid(), ours)
+                         + sum(_slab_pss(w.pid) for w in it._workers))
+            ring = max(ring, len(ours))
+    assert ring >= 4  # the ring itself holds more than two batches ...
+    assert max(peaks) <= 2 * batch_bytes  # ... but only about one is mapped

@@ -3,15 +3,25 @@
 from torch.utils.data import get_worker_info
 
 from .config import ConfigError, TransportConfig
+from .dataset import MultimodalDataset, ResizedCrop
+from .decode import ClipSpec, DecodeError, DecodeLimitError, DecodeLimits
 from .loader import DataLoader
 from .slabs import SharedMemoryError, uses_cpp
+from .sources import SourceError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClipSpec",
     "ConfigError",
     "DataLoader",
+    "DecodeError",
+    "DecodeLimitError",
+    "DecodeLimits",
+    "MultimodalDataset",
+    "ResizedCrop",
     "SharedMemoryError",
+    "SourceError",
     "TransportConfig",
     "get_worker_info",
     "uses_cpp",

@@ -27,7 +27,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from . import collate
-from .slabs import SlabWriter
+from .slabs import IDLE_TRIM_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
 
@@ -137,11 +137,16 @@ def worker_loop(
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
 
         iteration_end = False
+        idle_timeout = IDLE_TRIM_S
         while True:
             try:
-                message = index_queue.get(timeout=MP_STATUS_CHECK_INTERVAL)
+                message = index_queue.get(timeout=idle_timeout)
             except queue.Empty:
+                if idle_timeout == IDLE_TRIM_S:  # idle: give back what the ring maps here
+                    writer.trim()
+                idle_timeout = MP_STATUS_CHECK_INTERVAL
                 continue
+            idle_timeout = IDLE_TRIM_S
             if message is None:
                 break
             kind = message[0]

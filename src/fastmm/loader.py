@@ -243,6 +243,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
                 return data
 
     def _next_data(self):
+        self._ring.step()
         self._return_slabs()  # slabs of batches the loop dropped go back before new tasks go out
         while True:
             # Skip tasks of workers that ended their IterableDataset; stop when none is left.

@@ -5,6 +5,12 @@ regions of it as tensors without copying. A slab is lent to one batch at a time 
 to its worker when the last tensor viewing it is freed, so users may keep batches as long as
 they like: the ring grows when all slabs are held and shrinks back when they are released.
 
+Idle memory goes back: slabs not in use stop being mapped (their pages stay in the slab file)
+whenever mapping them back later costs little next to the time passing anyway: a worker that
+waited IDLE_TRIM_S for work, a batch that took 20x its remapping cost to produce, a loop step of
+IDLE_TRIM_S. A loop slower than its workers then maps only the batch in its hands, as with
+torch, while a loop that keeps the workers busy pays nothing for it.
+
 Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
 processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
 reserved at creation, so a full /dev/shm raises SharedMemoryError instead of a SIGBUS later.
@@ -19,6 +25,7 @@ import os
 import resource
 import shutil
 import socket
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -28,6 +35,9 @@ from .config import TransportConfig
 
 _ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
 _GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
+IDLE_TRIM_S = 0.02  # a loop step or worker wait this long means there is time to remap later
+_TRIM_AFTER_S_PER_BYTE = 20 * 0.3e-9  # 20x the cost of mapping a byte back (~0.3 ms/MB)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and writes fault instead
 
 
 class SharedMemoryError(RuntimeError):
@@ -81,6 +91,7 @@ class _OwnedSlab:
     mm: mmap.mmap
     capacity: int
     address: int
+    trimmed: bool = False
 
 
 class SlabWriter:
@@ -96,6 +107,7 @@ class SlabWriter:
         self._expected = 0  # bytes of the largest batch so far: the size a new slab starts from
         self._batch: list[list[int]] = []  # [slab_id, bytes used] for the batch being written
         self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
+        self._began = 0.0
 
     @property
     def gather(self):
@@ -109,6 +121,15 @@ class SlabWriter:
 
     def begin(self) -> None:
         self._batch = []
+        self._began = time.monotonic()
+
+    def trim(self) -> None:
+        """Stop mapping every slab's pages (called while the worker waits for work): batches
+        waiting for the loop and free slabs then count in no process until they are used."""
+        for slab in self._slabs.values():
+            if not slab.trimmed:
+                _advise(slab.mm, mmap.MADV_DONTNEED)
+                slab.trimmed = True
 
     def alloc(self, nbytes: int) -> tuple[int, int, memoryview]:
         """A writable region of ``nbytes`` for the current batch: (slab id, offset, view)."""
@@ -133,7 +154,10 @@ class SlabWriter:
     def finish(self) -> tuple[list[int], list[tuple[int, int]]]:
         """End the batch: send new slabs' fds; return (slabs used, [(new id, capacity)])."""
         used = [slab_id for slab_id, _ in self._batch]
-        self._expected = max(self._expected, sum(n for _, n in self._batch))
+        nbytes = sum(n for _, n in self._batch)
+        self._expected = max(self._expected, nbytes)
+        if time.monotonic() - self._began >= _TRIM_AFTER_S_PER_BYTE * nbytes:
+            self.trim()  # slow batches (decoding): remapping is cheap next to producing one
         self._batch = []
         created, self._created = self._created, []
         if created:
@@ -153,6 +177,10 @@ class SlabWriter:
         if fitting:
             best = min(fitting, key=lambda i: self._slabs[i].capacity)
             self._free.remove(best)
+            slab = self._slabs[best]
+            if slab.trimmed:  # map it back in one call rather than a fault per page
+                _advise(slab.mm, _MADV_POPULATE_WRITE)
+                slab.trimmed = False
             return best
         capacity = _round_up(want, _GRANULE)
         try:
@@ -189,6 +217,9 @@ class SlabRing:
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._held: dict[tuple[int, int], bool] = {}
         self._released: collections.deque[tuple[int, int]] = collections.deque()
+        self._mapped_free: set[tuple[int, int]] = set()  # returned slabs this process still maps
+        self._last_step = time.monotonic()
+        self._slow_loop = False  # the last loop step (batch to batch) took IDLE_TRIM_S or more
         self._closed = False
         _raise_fd_limit()
 
@@ -202,7 +233,9 @@ class SlabRing:
                     f"got {len(fds)}; raise the open-file limit (ulimit -n)"
                 )
             for (slab_id, capacity), fd in zip(new, fds):
-                mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                # Unpinned slabs map lazily: pages enter this process when the loop reads them.
+                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._pin is not None else 0)
+                mm = mmap.mmap(fd, capacity, flags=flags)
                 if self._pin is not None:
                     self._pin(_address(mm), capacity)
                 self._maps[(worker_id, slab_id)] = mm
@@ -221,6 +254,7 @@ class SlabRing:
             key = (worker_id, slab_id)
             view = memoryview(self._maps[key])
             self._held[key] = True
+            self._mapped_free.discard(key)
             weakref.finalize(view, self._on_release, key).atexit = False
             views[slab_id] = view
         return views
@@ -231,7 +265,14 @@ class SlabRing:
             self._held.pop(key, None)
             self._unmap(key)
         else:
+            if self._slow_loop and self._pin is None:  # as torch frees a batch, at once
+                _advise(self._maps[key], mmap.MADV_DONTNEED)
             self._released.append(key)
+
+    def step(self) -> None:
+        """The loop asks for its next batch: time its step (slow steps unmap returned slabs)."""
+        now = time.monotonic()
+        self._slow_loop, self._last_step = now - self._last_step >= IDLE_TRIM_S, now
 
     def drain(self) -> dict[int, tuple[list[int], list[int]]]:
         """Slabs released since the last call, per worker: (to reuse, to destroy)."""
@@ -248,6 +289,12 @@ class SlabRing:
                 self._unmap(key)
             else:
                 release.append(slab_id)
+                if self._pin is None:  # page-locked slabs stay mapped for their lifetime
+                    self._mapped_free.add(key)
+        if self._slow_loop:  # unmap what came back
+            for key in self._mapped_free:
+                _advise(self._maps[key], mmap.MADV_DONTNEED)
+            self._mapped_free.clear()
         return out
 
     @property
@@ -265,6 +312,7 @@ class SlabRing:
             self._unmap(key)
 
     def _unmap(self, key: tuple[int, int]) -> None:
+        self._mapped_free.discard(key)
         mm = self._maps.pop(key, None)
         if mm is not None:
             if self._unpin is not None:
@@ -274,6 +322,15 @@ class SlabRing:
 
 def _address(mm: mmap.mmap) -> int:
     return np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+
+
+def _advise(mm: mmap.mmap, advice: int) -> None:
+    """madvise a whole mapping. Only a hint: a kernel that refuses changes no data, and
+    MADV_DONTNEED on a shared file mapping drops this process's page-table entries only."""
+    try:
+        mm.madvise(advice)
+    except (OSError, ValueError):
+        pass
 
 
 def _close_quietly(mm: mmap.mmap) -> None:

@@ -22,7 +22,7 @@ import io
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal, NamedTuple
 
 import torch
 
@@ -158,6 +158,39 @@ class ClipSpec:
         return [start + o for o in offsets]
 
 
+class CropPlan(NamedTuple):
+    """A crop box of the source image (top, left, height, width), the output size it is resized
+    to (bilinear, antialiased) and whether to flip it left-right afterwards."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    out_height: int
+    out_width: int
+    flip: bool = False
+
+
+def crop_resize(img: torch.Tensor, plan: CropPlan) -> torch.Tensor:
+    """Apply a CropPlan to a uint8 CxHxW image or TxCxHxW clip: crop, bilinear antialiased
+    resize, flip."""
+    img = img[..., plan.top : plan.top + plan.height, plan.left : plan.left + plan.width]
+    if (plan.height, plan.width) != (plan.out_height, plan.out_width):
+        frames = img if img.dim() == 4 else img[None]
+        # torch's CPU kernel takes uint8 directly (vectorised, rounds); elsewhere go via float
+        cpu = frames.device.type == "cpu"
+        out = torch.nn.functional.interpolate(
+            frames if cpu else frames.float(), size=(plan.out_height, plan.out_width),
+            mode="bilinear", align_corners=False, antialias=True,
+        )
+        if not cpu:
+            out = out.round_().clamp_(0, 255).to(torch.uint8)
+        img = out if img.dim() == 4 else out[0]
+    if plan.flip:
+        img = img.flip(-1)
+    return img.contiguous()
+
+
 def probe_image(data: bytes, key: str, limits: DecodeLimits) -> None:
     """Check the caps from the image header (Pillow reads the header only, lazily).
 
@@ -226,6 +259,15 @@ class LibraryDecoder:
         except Exception as e:
             raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
         return to_rgb_chw(img, key, self.limits)
+
+    def decode_resized_crop(
+        self, data: bytes, plan: Callable[[int, int], CropPlan], *, key: str = "",
+        reduce: bool = False,
+    ) -> torch.Tensor:
+        """Decode, then crop and resize as ``plan(width, height)`` says (``reduce`` is a hint
+        this backend ignores: it decodes at full size)."""
+        img = self.decode_image(data, key=key)
+        return crop_resize(img, plan(img.shape[-1], img.shape[-2]))
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
         raise NotImplementedError

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import io
 import warnings
+from typing import Callable
 
 import numpy as np
 import torch
 from PIL import Image
 
-from .base import DecodeError, DecodeLimitError, DecodeLimits
+from .base import CropPlan, DecodeError, DecodeLimitError, DecodeLimits
 
 
 class Decoder:
@@ -30,6 +31,52 @@ class Decoder:
     ) -> torch.Tensor:
         """uint8 3xHxW RGB. ``reduce_to=(h, w)``: a JPEG may come back smaller than its full
         size but never smaller than (h, w); other formats come back at full size."""
+        with self._open(data, key) as im:
+            if reduce_to is not None and im.format == "JPEG":
+                h, w = reduce_to
+                im.draft("RGB", (w, h))
+            return self._pixels(im, key, _to_tensor)
+
+    def decode_resized_crop(
+        self, data: bytes, plan: Callable[[int, int], CropPlan], *, key: str = "",
+        reduce: bool = False,
+    ) -> torch.Tensor:
+        """Decode, crop and resize (bilinear, antialiased) as ``plan(width, height)`` says, in
+        Pillow: the plan is made from the header, before any pixel is decoded.
+
+        Without ``reduce`` the result is bit-exact with torchvision's v2 ``resized_crop`` on a
+        PIL image. With ``reduce``, a JPEG whose crop box is at least twice the output size is
+        decoded at 1/2, 1/4 or 1/8 scale inside libjpeg (DCT scaling), never below the output
+        size; pixels then differ slightly (see docs/decode.md for the measured gain and error)."""
+        with self._open(data, key) as im:
+            p = plan(im.width, im.height)
+            box = (p.left, p.top, p.left + p.width, p.top + p.height)
+            if reduce and im.format == "JPEG":
+                full_w, full_h = im.size
+                im.draft("RGB", (-(-full_w * p.out_width // p.width),
+                                 -(-full_h * p.out_height // p.height)))
+                sx, sy = im.width / full_w, im.height / full_h
+                if (sx, sy) != (1.0, 1.0):
+                    box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+            def crop(img: Image.Image) -> torch.Tensor:
+                if img.mode not in ("RGB", "I;16", "I;16B", "I;16L", "I"):
+                    img = img.convert("RGB")
+                if reduce:  # box-filter integer reduction first where the factor is large
+                    img = img.resize((p.out_width, p.out_height), Image.BILINEAR, box=box,
+                                     reducing_gap=2.0)
+                else:
+                    img = img.crop(box)
+                    if img.size != (p.out_width, p.out_height):
+                        img = img.resize((p.out_width, p.out_height), Image.BILINEAR)
+                if p.flip:
+                    img = img.transpose(Image.FLIP_LEFT_RIGHT)
+                return _to_tensor(img)
+
+            return self._pixels(im, key, crop)
+
+    def _open(self, data: bytes, key: str) -> Image.Image:
+        """The image, header read and caps checked; no pixel decoded yet."""
         if not data:
             raise DecodeError("empty", key, "zero-byte image")
         try:
@@ -41,15 +88,21 @@ class Decoder:
             raise DecodeLimitError(key, str(e)) from None
         except Exception as e:
             raise DecodeError("corrupt", key, f"not a readable image: {e}") from None
-        with im:
-            self.limits.check_image(im.width, im.height, key)  # header only, nothing decoded yet
-            if reduce_to is not None and im.format == "JPEG":
-                h, w = reduce_to
-                im.draft("RGB", (w, h))
-            try:
-                return _to_tensor(im)
-            except Exception as e:
-                raise DecodeError("corrupt", key, f"decoding failed: {e}") from None
+        try:
+            self.limits.check_image(im.width, im.height, key)
+        except DecodeError:
+            im.close()
+            raise
+        return im
+
+    @staticmethod
+    def _pixels(im: Image.Image, key: str, convert) -> torch.Tensor:
+        try:
+            return convert(im)
+        except DecodeError:
+            raise
+        except Exception as e:
+            raise DecodeError("corrupt", key, f"decoding failed: {e}") from None
 
 
 def _to_tensor(im: Image.Image) -> torch.Tensor:

@@ -116,6 +116,10 @@ class Source:
     def read(self, index: int) -> Sample:
         raise NotImplementedError
 
+    def extensions(self, index: int) -> tuple[str, ...]:
+        """The member extensions of sample ``index``, from the index alone (nothing is read)."""
+        raise NotImplementedError
+
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:

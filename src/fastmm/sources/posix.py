@@ -153,6 +153,9 @@ class PosixSource(Source):
                     problem, origin = ("unreadable", f"{rel}: {e.strerror or e}"), path
         return Sample(key, data, origin), problem
 
+    def extensions(self, index: int) -> tuple[str, ...]:
+        return tuple(self._index()[index][1])
+
     def read(self, index: int) -> Sample:
         """The sample at ``index``; with on_error="skip" a member that cannot be read is counted
         and left out (the sample cannot be skipped: the index is the caller's)."""

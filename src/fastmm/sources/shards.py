@@ -309,6 +309,9 @@ class ShardSource(Source):
     def __len__(self) -> int:
         return len(self._index())
 
+    def extensions(self, index: int) -> tuple[str, ...]:
+        return tuple(ext for ext, *_ in self._index()[index][3])
+
     def read(self, index: int) -> Sample:
         """One sample by index: one seek and one read spanning its members."""
         s, key, offset, members, problem = self._index()[index]

@@ -204,6 +204,9 @@ class StagedSource(Source):
     def read(self, index: int) -> Sample:
         return self.inner.read(index)
 
+    def extensions(self, index: int) -> tuple[str, ...]:
+        return self.inner.extensions(index)
+
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:

@@ -1,0 +1,301 @@
+"""Whole pipelines side by side: fastmm's own decode + crop/resize against what a torch user
+typically writes, on the generated multimodal corpus, same output size, batch and workers.
+
+- images: torch DataLoader over a Dataset doing PIL open + convert RGB + torchvision v2
+  RandomResizedCrop(224) + RandomHorizontalFlip + PILToTensor, against fastmm.DataLoader over
+  MultimodalDataset (pil backend, crop planned from the header, JPEG DCT-reduced decode when the
+  crop allows it, crop+resize in Pillow), and the same without reduced decode;
+- video: 16-frame clips at 224x224 (frames every 2nd source frame from a random start): torch
+  DataLoader over a Dataset that decodes with torchcodec (then v2 Resize(224) + CenterCrop(224)),
+  the same with PyAV, against fastmm.DataLoader over MultimodalDataset (torchcodec backend,
+  resize and crop done by FFmpeg during colour conversion).
+
+Every arm's frame and crop choices come from the same random draws (ClipSpec, and torchvision's
+RandomResizedCrop order), so all arms do the same work. Repetitions are interleaved (A B C A B C)
+after an untimed warm-up; figures are medians with min-max. Run:
+``python -m fastmm.bench.pipelines --out DIR`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+from . import harness, stats
+from .corpus import default_cache_dir
+from .mmcorpus import MMCORPUS_VERSION, CorpusSpec, write_corpus
+from .workloads import CONSUMERS, image_transform
+
+CLIP_FRAMES, CLIP_STRIDE, SIZE = 16, 2, 224
+
+
+def media(item: dict) -> torch.Tensor:
+    """MultimodalDataset item -> its image or clip, so every arm yields plain uint8 batches."""
+    return item["image"] if "image" in item else item["video"]
+
+
+class TorchImageDataset(Dataset):
+    """The typical user Dataset: PIL open, convert to RGB, torchvision v2 augmentation."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+        self.transform = image_transform(SIZE)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from PIL import Image
+
+        with Image.open(self.files[i]) as im:
+            return self.transform(im.convert("RGB"))
+
+
+def _clip_spec():
+    from ..decode import ClipSpec
+
+    return ClipSpec(num_frames=CLIP_FRAMES, stride=CLIP_STRIDE, sampling="random")
+
+
+def _resize_crop(frames: torch.Tensor) -> torch.Tensor:
+    from torchvision.transforms import v2
+
+    return v2.functional.center_crop(v2.functional.resize(frames, SIZE, antialias=True), SIZE)
+
+
+class TorchcodecClipDataset(Dataset):
+    """A user Dataset decoding clips with torchcodec, then torchvision Resize + CenterCrop."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from torchcodec.decoders import VideoDecoder
+
+        dec = VideoDecoder(self.files[i], seek_mode="exact")
+        meta = dec.metadata
+        idx = _clip_spec().frame_indices(meta.num_frames, meta.average_fps)
+        return _resize_crop(dec.get_frames_at(indices=idx).data)
+
+
+class PyAVClipDataset(Dataset):
+    """A user Dataset decoding clips with PyAV (seek to the keyframe before the clip, decode on,
+    keep the frames asked for), then torchvision Resize + CenterCrop."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import av
+
+        with av.open(self.files[i]) as container:
+            stream = container.streams.video[0]
+            idx = _clip_spec().frame_indices(stream.frames, float(stream.average_rate))
+            rate, tb = stream.average_rate, stream.time_base
+            start_pts = int(idx[0] / rate / tb)
+            container.seek(start_pts, stream=stream, backward=True, any_frame=False)
+            wanted, frames = set(idx), {}
+            for frame in container.decode(stream):
+                n = round(frame.pts * tb * rate)
+                if n in wanted:
+                    frames[n] = torch.from_numpy(frame.to_ndarray(format="rgb24"))
+                if n >= idx[-1]:
+                    break
+        clip = torch.stack([frames[n] for n in idx]).permute(0, 3, 1, 2)
+        return _resize_crop(clip)
+
+
+def ensure_mmcorpus(spec: CorpusSpec, cache_dir) -> str:
+    """The multimodal corpus of ``spec`` in the cache, generated once."""
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
+    root = os.path.join(str(cache_dir), f"mmcorpus-v{MMCORPUS_VERSION}-{key.hexdigest()[:12]}")
+    if not os.path.exists(os.path.join(root, "composition.json")):
+        print(f"generating the multimodal corpus in {root} ...", file=sys.stderr, flush=True)
+        write_corpus(spec, root, processes=None,
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return root
+
+
+def _files(root: str, exts: tuple[str, ...]) -> list[str]:
+    with open(os.path.join(root, "posix", "manifest.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [os.path.join(root, "posix", path) for r in rows
+            for ext, path in r["members"].items() if ext in exts]
+
+
+def _arms(root: str, workload: str, batch: int, workers: int):
+    import fastmm
+    from ..dataset import MultimodalDataset
+
+    manifest = os.path.join(root, "posix", "manifest.jsonl")
+    if workload == "image":
+        files = _files(root, ("jpg", "png"))
+        ours = dict(source="posix", decoder="pil", modality="image", size=SIZE, transform=media)
+        return {
+            "torch (PIL + v2)": (torch.utils.data.DataLoader, TorchImageDataset(files)),
+            "fastmm": (fastmm.DataLoader, MultimodalDataset(manifest, reduce=True, **ours)),
+            "fastmm, no reduced decode": (fastmm.DataLoader, MultimodalDataset(manifest, **ours)),
+        }
+    files = _files(root, ("mp4",))
+    return {
+        "torch + torchcodec": (torch.utils.data.DataLoader, TorchcodecClipDataset(files)),
+        "torch + PyAV": (torch.utils.data.DataLoader, PyAVClipDataset(files)),
+        "fastmm (torchcodec)": (fastmm.DataLoader, MultimodalDataset(
+            manifest, source="posix", decoder="torchcodec", modality="video", clip=_clip_spec(),
+            size=SIZE, crop="center", transform=media)),
+    }
+
+
+def measure_reduced_decode(root: str, limit: int = 400) -> dict:
+    """Reduced-size JPEG decode (DCT scaling), one thread: the time of decode + random crop +
+    resize to 224 with and without it, and the pixel difference it makes (same crops)."""
+    from ..dataset import ResizedCrop
+    from ..decode import get_decoder
+
+    dec = get_decoder("pil")
+    crop = ResizedCrop(size=(SIZE, SIZE))
+    datas = []
+    for path in _files(root, ("jpg",))[:limit]:
+        with open(path, "rb") as f:
+            datas.append(f.read())
+    times = {False: 0.0, True: 0.0}
+    diffs, reduced = [], 0
+    for i, data in enumerate(datas):
+        outs = {}
+        for reduce in (False, True):
+            torch.manual_seed(i)  # the same crop both ways
+            t0 = time.perf_counter()
+            outs[reduce] = dec.decode_resized_crop(data, crop.plan, reduce=reduce)
+            times[reduce] += time.perf_counter() - t0
+        d = (outs[True].float() - outs[False].float()).abs()
+        if d.max() > 0:
+            reduced += 1
+            diffs.append(d.mean().item())
+    n = len(datas)
+    return {
+        "images": n, "crop": f"RandomResizedCrop({SIZE}) as torchvision draws it",
+        "full_ms_per_image": times[False] / n * 1e3, "reduced_ms_per_image": times[True] / n * 1e3,
+        "speedup": times[False] / times[True], "images_whose_pixels_differ": reduced,
+        "mean_abs_diff_levels": stats.summarize(diffs),
+    }
+
+
+def run(args) -> dict:
+    spec = CorpusSpec(num_images=args.images, num_videos=args.videos, seed=args.seed)
+    root = ensure_mmcorpus(spec, args.cache_dir)
+    consume = CONSUMERS["sum64"][0]
+    out = {"command": " ".join(sys.argv), "corpus": json.load(open(os.path.join(
+        root, "composition.json"))), "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "torch": torch.__version__, "cases": {}}
+    if "image" in args.workloads:
+        out["reduced_decode"] = measure_reduced_decode(root)
+    for workload in args.workloads:
+        batch = args.image_batch if workload == "image" else args.video_batch
+        arms = _arms(root, workload, batch, args.num_workers)
+
+        def rep(name, seconds, rep_index):
+            loader_class, dataset = arms[name]
+
+            def make():
+                torch.manual_seed(args.seed + rep_index)
+                # endless random order, the same draws for every arm of a repetition
+                sampler = torch.utils.data.RandomSampler(dataset, replacement=True,
+                                                         num_samples=1 << 40)
+                return loader_class(dataset, batch_size=batch, sampler=sampler,
+                                    num_workers=args.num_workers)
+            fig = harness.run_loader(make, args.num_workers, seconds, consume)
+            print(f"[{workload}] rep {rep_index} {name:28s} {fig['samples_per_s']:8.1f} "
+                  "samples/s", file=sys.stderr, flush=True)
+            return fig
+
+        figs = {name: [] for name in arms}
+        for name in arms:
+            rep(name, args.warmup_seconds, -1)
+        for r in range(args.reps):
+            for name in arms:
+                figs[name].append(rep(name, args.min_seconds, r))
+        rates = {n: [f["samples_per_s"] for f in fs] for n, fs in figs.items()}
+        base = next(iter(arms))
+        out["cases"][workload] = {
+            "batch_size": batch, "num_workers": args.num_workers,
+            "arms": {n: stats.summarize(v) for n, v in rates.items()},
+            "ratios_over_baselines": {
+                f"{ours} / {b}": stats.summarize(stats.paired_ratios(rates[ours], rates[b]))
+                for ours in arms if ours.startswith("fastmm") for b in arms
+                if not b.startswith("fastmm")
+            },
+            "baseline": base,
+        }
+    return out
+
+
+def report(result: dict) -> str:
+    lines = [f"pipelines on {result['cores']} cores ({result['machine']}), torch {result['torch']}"]
+    r = result.get("reduced_decode")
+    if r:
+        diff = r["mean_abs_diff_levels"] or {"median": 0.0, "max": 0.0}
+        lines.append(
+            f"reduced JPEG decode, 1 thread, {r['images']} JPEGs: {r['full_ms_per_image']:.2f} -> "
+            f"{r['reduced_ms_per_image']:.2f} ms/image ({r['speedup']:.2f}x); "
+            f"{r["images_whose_pixels_differ"]} differ, mean |diff| median "
+            f"{diff['median']:.2f}, max {diff['max']:.2f} levels of 255")
+    for workload, case in result["cases"].items():
+        lines.append(f"\n{workload}: batch {case['batch_size']}, {case['num_workers']} workers "
+                     "(samples/s median [min-max])")
+        for name, s in case["arms"].items():
+            lines.append(f"  {name:28s} {s['median']:8.1f} [{s['min']:.1f}-{s['max']:.1f}]")
+        for name, s in case["ratios_over_baselines"].items():
+            if s:
+                lines.append(f"  {name:52s} {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.pipelines", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-out/pipelines")
+    p.add_argument("--workloads", default="image,video")
+    p.add_argument("--images", type=int, default=1500)
+    p.add_argument("--videos", type=int, default=24)
+    p.add_argument("--image-batch", type=int, default=64)
+    p.add_argument("--video-batch", type=int, default=8)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--min-seconds", type=float, default=5.0)
+    p.add_argument("--warmup-seconds", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--quick", action="store_true", help="smoke run: small corpus, short reps")
+    args = p.parse_args(argv)
+    args.workloads = args.workloads.split(",")
+    if args.quick:
+        args.images, args.videos, args.reps = 64, 4, 1
+        args.min_seconds = args.warmup_seconds = 0.5
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "pipelines.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = report(result)
+    with open(os.path.join(args.out, "pipelines.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""MultimodalDataset: samples from a storage source, decoded by a backend, cropped and resized
+to a fixed size, with one bad-input policy. Works with fastmm.DataLoader and torch's.
+
+Each item is a dict: ``"key"``, ``"image"`` (uint8 3xHxW) or ``"video"`` (uint8 TxCxHxW), and
+``"caption"`` / ``"label"`` from the sample's ``txt`` / ``cls`` members ("" and -1 when absent).
+
+Bad input (a damaged sample in the source, bytes no decoder can read, a cap exceeded):
+``on_error="raise"`` raises the typed error (SourceError, DecodeError) with the key and origin;
+``"skip"`` drops the sample from its batch (through ``__getitems__``, which torch's fetcher
+calls; a lone ``dataset[i]`` returns None); ``"replace"`` returns the next good sample instead,
+so batches stay full. Every skipped or replaced sample is logged with its key and origin (shard
+and byte offset for tar shards) and counted by reason in counters that all worker processes
+share, so ``dataset.skipped`` in the main process totals every worker's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing.context
+import multiprocessing.sharedctypes
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.utils.data
+
+from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
+from .decode.base import CropPlan, crop_resize
+from .sources import Problem, Source, SourceError, open_source
+
+OnError = Literal["raise", "skip", "replace"]
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_EXTS = ("mp4", "webm", "mkv", "avi", "mov", "m4v")
+# Reasons a sample is bad: the decoders' and the sources' (see their errors); others count as
+# "other". Fixed, so the counters can live in one small shared array.
+REASONS = (
+    "empty", "corrupt", "too_large", "too_short", "no_video", "unsupported", "missing_member",
+    "truncated", "unreadable", "unsafe_name", "bad_name", "bad_header", "not_a_file",
+    "duplicate_member", "bad_manifest", "size", "checksum", "other",
+)
+_ROWS = 65  # one counter row for the main process and each of up to 64 workers (then shared)
+log = logging.getLogger("fastmm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizedCrop:
+    """The crop and resize to ``size`` (h, w), planned from the source size before decoding.
+
+    ``mode="random"``: torchvision's RandomResizedCrop(size, scale, ratio) followed by
+    RandomHorizontalFlip(flip_p), drawing the same random numbers in the same order from torch's
+    RNG, so a seeded run crops exactly as that torchvision pipeline would.
+    ``mode="center"``: the largest centred box of the output's aspect ratio (what Resize of the
+    short side then CenterCrop give), no flip."""
+
+    size: tuple[int, int]
+    mode: Literal["random", "center"] = "random"
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip_p: float = 0.5
+
+    def __post_init__(self):
+        size = (self.size, self.size) if isinstance(self.size, int) else tuple(self.size)
+        if len(size) != 2 or min(size) < 1:
+            raise ValueError(f"size={self.size!r}; give an int or (height, width) >= 1")
+        object.__setattr__(self, "size", size)
+        if self.mode not in ("random", "center"):
+            raise ValueError(f"mode={self.mode!r}; use 'random' or 'center'")
+
+    def plan(self, width: int, height: int) -> CropPlan:
+        out_h, out_w = self.size
+        if self.mode == "center":
+            scale = min(width / out_w, height / out_h)
+            w, h = min(width, round(out_w * scale)), min(height, round(out_h * scale))
+            return CropPlan((height - h) // 2, (width - w) // 2, h, w, out_h, out_w, False)
+        top, left, h, w = self._random_box(width, height)
+        flip = bool(torch.rand(1) < self.flip_p)
+        return CropPlan(top, left, h, w, out_h, out_w, flip)
+
+    def _random_box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        # torchvision.transforms.v2.RandomResizedCrop._get_params, draw for draw
+        area = height * width
+        log_ratio = torch.log(torch.tensor(self.ratio))
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
+            aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+                left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+                return top, left, h, w
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w, h = width, int(round(width / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            h, w = height, int(round(height * max(self.ratio)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+
+class _Counters:
+    """Skip and replace counts by reason, in shared memory that workers inherit, one row per
+    process so no increment is lost without a lock."""
+
+    def __init__(self):
+        self._array = multiprocessing.sharedctypes.RawArray("q", _ROWS * (len(REASONS) + 1))
+
+    def add(self, reason: str, replaced: bool) -> None:
+        info = torch.utils.data.get_worker_info()
+        row = 0 if info is None else 1 + info.id % (_ROWS - 1)
+        base = row * (len(REASONS) + 1)
+        col = REASONS.index(reason) if reason in REASONS else REASONS.index("other")
+        self._array[base + col] += 1
+        if replaced:
+            self._array[base + len(REASONS)] += 1
+
+    def totals(self) -> tuple[dict[str, int], int]:
+        width = len(REASONS) + 1
+        sums = [sum(self._array[r * width + c] for r in range(_ROWS)) for c in range(width)]
+        return {r: n for r, n in zip(REASONS, sums) if n}, sums[-1]
+
+    def __getstate__(self):
+        # Shared with workers as they start (fork or spawn); a later pickle gets fresh counters.
+        if multiprocessing.context.get_spawning_popen() is None:
+            return None
+        return self._array
+
+    def __setstate__(self, state):
+        self._array = state if state is not None else _Counters()._array
+
+
+class MultimodalDataset(torch.utils.data.Dataset):
+    """Map-style dataset over a source of image and video samples.
+
+    ``root``: where the samples are (a directory, manifest or shard directory), or give an open
+    ``source``. ``source`` (a name: "posix", "staged", "shards"; default FASTMM_SOURCE, then
+    "posix"), ``decoder`` (a name: "pil", "torchvision", "torchcodec", "dali", default
+    FASTMM_DECODE then "pil"; or a decoder object) and ``device`` (default FASTMM_DEVICE, then
+    "cpu") switch backends without touching training code. ``modality`` keeps only image or only
+    video samples (decided from member extensions, nothing read); samples with neither are left
+    out. ``size`` (int or (h, w)) plus ``crop`` ("random": RandomResizedCrop + flip as
+    torchvision draws them; "center") give every item the same shape so batches collate; or give
+    a ``ResizedCrop``. ``reduce=True`` lets JPEGs decode at a DCT-reduced scale when the crop is
+    at least twice the output size (pil backend). Videos need ``clip`` (a ClipSpec); frames are
+    resized with the same plan for the whole clip. ``transform`` runs last on the item dict.
+    """
+
+    def __init__(
+        self,
+        root=None,
+        *,
+        source: str | Source | None = None,
+        decoder=None,
+        device: str | None = None,
+        modality: Literal["image", "video"] | None = None,
+        size: int | tuple[int, int] | None = None,
+        crop: Literal["random", "center"] | ResizedCrop = "random",
+        reduce: bool = False,
+        clip: ClipSpec | None = None,
+        transform: Callable[[dict], dict] | None = None,
+        on_error: OnError = "raise",
+        max_replace: int = 16,
+        limits: DecodeLimits | None = None,
+        keep_problems: int = 100,
+        **source_options,
+    ):
+        if on_error not in ("raise", "skip", "replace"):
+            raise ValueError(f"on_error={on_error!r}; use 'raise', 'skip' or 'replace'")
+        if modality not in (None, "image", "video"):
+            raise ValueError(f"modality={modality!r}; use 'image', 'video' or None")
+        if isinstance(source, Source):
+            self.source = source
+        else:
+            if root is None:
+                raise ValueError("give root (where the samples are) or an open source")
+            # the dataset owns the bad-input policy, so the source reports every problem to it
+            self.source = open_source(source, root, on_error="raise", **source_options)
+        self.decoder = (
+            decoder if hasattr(decoder, "decode_image")
+            else get_decoder(decoder, device=device, limits=limits)
+        )
+        if isinstance(crop, ResizedCrop):
+            self.crop = crop
+        elif size is not None:
+            self.crop = ResizedCrop(size=size, mode=crop)
+        else:
+            self.crop = None
+        self.reduce = reduce
+        self.clip = clip
+        self.modality = modality
+        self.transform = transform
+        self.on_error = on_error
+        self.max_replace = max_replace
+        self.problems: deque[Problem] = deque(maxlen=keep_problems)  # this process's latest
+        self._counters = _Counters()
+        self._items: list[int] | None = None
+
+    # -- index ---------------------------------------------------------------------------------
+
+    def _index(self) -> list[int]:
+        if self._items is None:
+            wanted = {"image": IMAGE_EXTS, "video": VIDEO_EXTS}.get(self.modality,
+                                                                    IMAGE_EXTS + VIDEO_EXTS)
+            self._items = [
+                i for i in range(len(self.source))
+                if any(ext in wanted for ext in self.source.extensions(i))
+            ]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Bad samples met so far, by reason, summed over this process and its workers."""
+        return self._counters.totals()[0]
+
+    @property
+    def replaced(self) -> int:
+        """How many of those were replaced by another sample (on_error="replace")."""
+        return self._counters.totals()[1]
+
+    # -- items ---------------------------------------------------------------------------------
+
+    def __getitem__(self, index: int):
+        return self._get(index)
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """A batch's items; under on_error="skip" bad samples are left out of it."""
+        items = [self._get(i) for i in indices]
+        if self.on_error == "skip":
+            items = [item for item in items if item is not None]
+            if not items:
+                raise RuntimeError(
+                    f"every sample of a batch of {len(indices)} was bad and skipped "
+                    f"(counts so far: {self.skipped}); see the 'fastmm' log for keys"
+                )
+        return items
+
+    def _get(self, index: int):
+        items = self._index()
+        n = len(items)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} samples")
+        index %= n
+        for attempt in range(self.max_replace + 1):
+            try:
+                return self._load(items[(index + attempt) % n])
+            except (SourceError, DecodeError) as e:
+                if self.on_error == "raise":
+                    raise
+                self._count(e, replaced=self.on_error == "replace")
+                if self.on_error == "skip":
+                    return None
+        raise RuntimeError(
+            f"{self.max_replace + 1} samples in a row from index {index} were bad; "
+            f"counts so far: {self.skipped}"
+        )
+
+    def _count(self, error: SourceError | DecodeError, replaced: bool) -> None:
+        origin = getattr(error, "origin", "")
+        self._counters.add(error.reason, replaced)
+        self.problems.append(Problem(error.reason, error.key, origin, str(error)))
+        log.warning("fastmm: %s sample %r (%s): %s", "replaced" if replaced else "skipped",
+                    error.key, origin or "decoder", error)
+
+    def _load(self, i: int) -> dict:
+        sample = self.source.read(i)
+        key = sample.key
+        image = next((e for e in IMAGE_EXTS if e in sample.members), None)
+        video = next((e for e in VIDEO_EXTS if e in sample.members), None)
+        try:
+            if image is not None and self.modality != "video":
+                item = {"key": key, "image": self._image(sample.members[image], key)}
+            elif video is not None:
+                item = {"key": key, "video": self._video(sample.members[video], key)}
+            else:
+                raise SourceError("missing_member", key, sample.origin, "no image or video")
+        except DecodeError as e:
+            e.origin = sample.origin  # a decode error names where the bytes came from too
+            raise
+        item["caption"] = sample.members.get("txt", b"").decode("utf-8", "replace")
+        label = sample.members.get("cls", b"").strip()
+        item["label"] = int(label) if label.lstrip(b"-").isdigit() else -1
+        return self.transform(item) if self.transform is not None else item
+
+    def _image(self, data: bytes, key: str) -> torch.Tensor:
+        if self.crop is None:
+            return self.decoder.decode_image(data, key=key)
+        return self.decoder.decode_resized_crop(data, self.crop.plan, key=key, reduce=self.reduce)
+
+    def _video(self, data: bytes, key: str) -> torch.Tensor:
+        if self.clip is None:
+            raise DecodeError("unsupported", key, "a video sample needs clip=ClipSpec(...)")
+        if not hasattr(self.decoder, "decode_clip"):
+            raise DecodeError("unsupported", key,
+                              f"the {self.decoder.name} decoder has no video; use torchcodec")
+        frames, _ = self.decoder.decode_clip(data, self.clip, key=key)
+        if self.crop is None:
+            return frames
+        return crop_resize(frames, self.crop.plan(frames.shape[-1], frames.shape[-2]))

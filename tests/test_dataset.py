@@ -1,0 +1,185 @@
+"""MultimodalDataset: the same items from every source, crops bit-exact with torchvision's
+pipeline, the frames asked for, and the on_error policy (raise, skip, replace) counted across
+worker processes."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+
+import fastmm
+from fastmm.bench.mmcorpus import CorpusSpec, read_frame_index, write_corpus
+from fastmm.dataset import MultimodalDataset, ResizedCrop
+from fastmm.decode import ClipSpec, DecodeError
+from fastmm.sources import SourceError, write_shards
+
+if shutil.which("ffmpeg") is None:
+    pytest.skip("the ffmpeg CLI is needed to encode corpus videos", allow_module_level=True)
+
+SPEC = CorpusSpec(
+    num_images=16, num_videos=3, seed=3, png_fraction=0.25, image_short_side=(120, 220),
+    large_fraction=0.25, large_short_side=(700, 800), video_duration_s=(1.0, 1.4),
+    video_fps=(24,), video_sizes=((128, 96),), video_keyint=(8,), shard_bytes=200_000,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dscorpus"))
+    write_corpus(SPEC, out)
+    return out
+
+
+def _roots(out):
+    return {"posix": os.path.join(out, "posix"), "manifest": os.path.join(out, "posix",
+            "manifest.jsonl"), "shards": os.path.join(out, "shards")}
+
+
+def test_same_items_from_tree_manifest_and_shards(corpus):
+    roots = _roots(corpus)
+    sets = {
+        name: MultimodalDataset(root, source="shards" if name == "shards" else "posix",
+                                modality="image", size=64, crop="center")
+        for name, root in roots.items()
+    }
+    assert {len(d) for d in sets.values()} == {SPEC.num_images}
+    for i in range(SPEC.num_images):
+        items = [d[i] for d in sets.values()]
+        assert len({it["key"] for it in items}) == 1
+        assert all(torch.equal(items[0]["image"], it["image"]) for it in items)
+        assert items[0]["image"].shape == (3, 64, 64) and items[0]["image"].dtype == torch.uint8
+        assert items[0]["caption"] and 0 <= items[0]["label"]
+
+
+def test_random_crop_bit_exact_with_torchvision_pipeline(corpus):
+    """No reduce: the same crop, flip and bilinear resize as torchvision v2 on a PIL image,
+    drawing the same random numbers."""
+    from torchvision.transforms import v2
+
+    ds = MultimodalDataset(_roots(corpus)["manifest"], modality="image", size=(48, 64))
+    tv = v2.Compose([v2.RandomResizedCrop((48, 64)), v2.RandomHorizontalFlip(), v2.PILToTensor()])
+    for i in range(len(ds)):
+        sample = ds.source.read(ds._index()[i])
+        data = next(v for k, v in sample.members.items() if k in ("jpg", "png"))
+        torch.manual_seed(100 + i)
+        ours = ds[i]["image"]
+        torch.manual_seed(100 + i)
+        theirs = tv(Image.open(io.BytesIO(data)).convert("RGB"))
+        assert torch.equal(ours, theirs), sample.key
+
+
+def test_reduced_decode_is_close_and_never_upsamples(corpus):
+    crop = ResizedCrop(size=(96, 96), mode="center")
+    full = MultimodalDataset(_roots(corpus)["posix"], modality="image", crop=crop)
+    reduced = MultimodalDataset(_roots(corpus)["posix"], modality="image", crop=crop, reduce=True)
+    diffs = []
+    for i in range(len(full)):
+        a, b = full[i]["image"].float(), reduced[i]["image"].float()
+        assert a.shape == b.shape == (3, 96, 96)
+        diffs.append((a - b).abs().mean().item())
+    assert max(diffs) < 4.0  # mean absolute difference in 0..255 levels
+    assert any(d > 0 for d in diffs)  # the large JPEGs did take the reduced path
+
+
+def test_video_clips_are_the_frames_asked_for(corpus):
+    spec = ClipSpec(num_frames=4, stride=3, sampling="start")
+    ds = MultimodalDataset(_roots(corpus)["shards"], source="shards", decoder="torchcodec",
+                           modality="video", clip=spec)
+    assert len(ds) == SPEC.num_videos
+    for i in range(len(ds)):
+        clip = ds[i]["video"]
+        assert clip.shape[:2] == (4, 3)
+        assert [read_frame_index(f) for f in clip] == [0, 3, 6, 9]
+
+
+def test_video_resized_in_the_decoder(corpus):
+    spec = ClipSpec(num_frames=2, stride=1)
+    ds = MultimodalDataset(_roots(corpus)["posix"], decoder="torchcodec", modality="video",
+                           clip=spec, size=(48, 48), crop="center")
+    clip = ds[0]["video"]
+    assert clip.shape == (2, 3, 48, 48) and clip.dtype == torch.uint8
+    loader = fastmm.DataLoader(ds, batch_size=3, num_workers=1)
+    (batch,) = list(loader)
+    assert batch["video"].shape == (3, 2, 3, 48, 48)
+
+
+def _bad_corpus(tmp_path, good_root):
+    """Six samples: good, corrupt jpg, good, zero-byte, good, truncated png."""
+    good = MultimodalDataset(good_root, modality="image")
+    datas = []
+    for i in range(3):
+        s = good.source.read(good._index()[i])
+        ext = "jpg" if "jpg" in s.members else "png"
+        datas.append((ext, s.members[ext]))
+    png = io.BytesIO()
+    Image.new("RGB", (40, 30), (9, 9, 9)).save(png, "PNG")
+    samples = [
+        (f"s{0}", {datas[0][0]: datas[0][1], "cls": b"0"}),
+        ("s1", {"jpg": b"\xff\xd8\xff" + bytes(range(256)) * 4, "cls": b"1"}),
+        ("s2", {datas[1][0]: datas[1][1], "cls": b"2"}),
+        ("s3", {"jpg": b"", "cls": b"3"}),
+        ("s4", {datas[2][0]: datas[2][1], "cls": b"4"}),
+        ("s5", {"png": png.getvalue()[:60], "cls": b"5"}),
+    ]
+    out = tmp_path / "bad"
+    write_shards(samples, str(out))
+    return str(out)
+
+
+def test_on_error_raise_names_key_and_origin(corpus, tmp_path):
+    ds = MultimodalDataset(_bad_corpus(tmp_path, _roots(corpus)["posix"]), source="shards",
+                           size=32)
+    assert ds[0]["label"] == 0
+    with pytest.raises(DecodeError) as info:
+        ds[1]
+    assert info.value.key == "s1" and ".tar:" in info.value.origin
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_on_error_skip_and_replace_counted_across_workers(corpus, tmp_path, num_workers, caplog):
+    root = _bad_corpus(tmp_path, _roots(corpus)["posix"])
+    skip = MultimodalDataset(root, source="shards", size=32, on_error="skip")
+    labels = [int(x) for b in fastmm.DataLoader(skip, batch_size=2, num_workers=num_workers)
+              for x in b["label"]]
+    assert labels == [0, 2, 4]
+    assert skip.skipped == {"corrupt": 2, "empty": 1} and skip.replaced == 0
+    replace = MultimodalDataset(root, source="shards", size=32, on_error="replace")
+    batches = list(torch.utils.data.DataLoader(replace, batch_size=3, num_workers=num_workers))
+    assert [b["label"].tolist() for b in batches] == [[0, 2, 2], [4, 4, 0]]
+    assert replace.skipped == {"corrupt": 2, "empty": 1} and replace.replaced == 3
+    if num_workers == 0:
+        assert any("s3" in r.getMessage() and ".tar:" in r.getMessage() for r in caplog.records)
+
+
+def test_missing_member_and_no_clip_spec_are_typed(corpus, tmp_path):
+    out = tmp_path / "nomedia"
+    write_shards([("a", {"txt": b"only text"})], str(out))
+    assert len(MultimodalDataset(str(out), source="shards")) == 0  # no media: not an item
+    videos = MultimodalDataset(_roots(corpus)["posix"], decoder="torchcodec", modality="video")
+    with pytest.raises(DecodeError, match="clip=ClipSpec"):
+        videos[0]
+    with pytest.raises(ValueError, match="on_error"):
+        MultimodalDataset(_roots(corpus)["posix"], on_error="ignore")
+
+
+def test_environment_picks_source_and_decoder(corpus, monkeypatch):
+    monkeypatch.setenv("FASTMM_SOURCE", "shards")
+    monkeypatch.setenv("FASTMM_DECODE", "torchvision")
+    ds = MultimodalDataset(_roots(corpus)["shards"], modality="image", size=32, crop="center")
+    assert ds.source.kind == "shards" and ds.decoder.name == "torchvision"
+    ref = MultimodalDataset(_roots(corpus)["shards"], source="shards", decoder="pil",
+                            modality="image", size=32, crop="center")
+    png = [i for i in range(len(ds)) if "png" in ds.source.extensions(ds._index()[i])]
+    for i in png:  # PNG: same pixels decoded, so only the resize implementations differ
+        assert (ds[i]["image"].float() - ref[i]["image"].float()).abs().mean() < 3
+    monkeypatch.setenv("FASTMM_DECODE", "jpeg2000")
+    with pytest.raises(fastmm.ConfigError, match="FASTMM_DECODE"):
+        MultimodalDataset(_roots(corpus)["shards"])
+    with pytest.raises(SourceError):
+        MultimodalDataset(_roots(corpus)["shards"], source="shards", decoder="pil",
+                          required=("flac",))[0]
