@@ -252,7 +252,7 @@ def report(result: dict) -> str:
         lines.append(
             f"reduced JPEG decode, 1 thread, {r['images']} JPEGs: {r['full_ms_per_image']:.2f} -> "
             f"{r['reduced_ms_per_image']:.2f} ms/image ({r['speedup']:.2f}x); "
-            f"{r["images_whose_pixels_differ"]} differ, mean |diff| median "
+            f"{r['images_whose_pixels_differ']} differ, mean |diff| median "
             f"{diff['median']:.2f}, max {diff['max']:.2f} levels of 255")
     for workload, case in result["cases"].items():
         lines.append(f"\n{workload}: batch {case['batch_size']}, {case['num_workers']} workers "
