@@ -183,3 +183,29 @@ def test_environment_picks_source_and_decoder(corpus, monkeypatch):
     with pytest.raises(SourceError):
         MultimodalDataset(_roots(corpus)["shards"], source="shards", decoder="pil",
                           required=("flac",))[0]
+
+
+def test_pipeline_benchmark_arms_agree(corpus, monkeypatch):
+    """The video arms of the pipelines benchmark decode the same frames (same random draws),
+    and the image arms make the same crops, so their speeds compare like for like."""
+    from fastmm.bench import pipelines
+
+    monkeypatch.setattr(pipelines, "CLIP_FRAMES", 4)
+    files = pipelines._files(corpus, ("mp4",))
+    ours = pipelines._arms(corpus, "video", 2, 0)["fastmm (torchcodec)"][1]
+    clips = []
+    for ds in (pipelines.TorchcodecClipDataset(files), pipelines.PyAVClipDataset(files), ours):
+        torch.manual_seed(5)
+        clip = ds[1]
+        clips.append(pipelines.media(clip) if isinstance(clip, dict) else clip)
+    assert all(c.shape == (4, 3, 224, 224) for c in clips)
+    assert [read_frame_index(f) for f in clips[0]] == [read_frame_index(f) for f in clips[2]]
+    assert (clips[0].float() - clips[1].float()).abs().mean() < 2  # same FFmpeg, same frames
+    arms = pipelines._arms(corpus, "image", 2, 0)
+    torch_ds, fast_ds = arms["torch (PIL + v2)"][1], arms["fastmm, no reduced decode"][1]
+    assert len(torch_ds) == len(fast_ds)  # the same images in the same (manifest) order
+    for i in (0, 5):
+        torch.manual_seed(9 + i)
+        theirs = torch_ds[i]
+        torch.manual_seed(9 + i)
+        assert torch.equal(theirs, fast_ds[i])
