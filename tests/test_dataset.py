@@ -73,10 +73,13 @@ def test_random_crop_bit_exact_with_torchvision_pipeline(corpus):
         assert torch.equal(ours, theirs), sample.key
 
 
-def test_reduced_decode_is_close_and_never_upsamples(corpus):
+@pytest.mark.parametrize("decoder", ["pil", "torchvision"])
+def test_fast_path_is_close_to_the_exact_one(corpus, decoder):
+    """reduce=True (DCT-reduced JPEG decode, torch's resize) against the bit-exact pil path."""
     crop = ResizedCrop(size=(96, 96), mode="center")
     full = MultimodalDataset(_roots(corpus)["posix"], modality="image", crop=crop)
-    reduced = MultimodalDataset(_roots(corpus)["posix"], modality="image", crop=crop, reduce=True)
+    reduced = MultimodalDataset(_roots(corpus)["posix"], modality="image", crop=crop, reduce=True,
+                                decoder=decoder)
     diffs = []
     for i in range(len(full)):
         a, b = full[i]["image"].float(), reduced[i]["image"].float()
@@ -204,10 +207,20 @@ def test_pipeline_benchmark_arms_agree(corpus, monkeypatch):
     assert [read_frame_index(f) for f in clips[0]] == [read_frame_index(f) for f in clips[2]]
     assert (clips[0].float() - clips[1].float()).abs().mean() < 2  # same FFmpeg, same frames
     arms = pipelines._arms(corpus, "image", 2, 0)
-    torch_ds, fast_ds = arms["torch (PIL + v2)"][1], arms["fastmm, no reduced decode"][1]
+    torch_ds, fast_ds = arms["torch (PIL + v2)"][1], arms["fastmm, exact (pil)"][1]
     assert len(torch_ds) == len(fast_ds)  # the same images in the same (manifest) order
     for i in (0, 5):
         torch.manual_seed(9 + i)
         theirs = torch_ds[i]
         torch.manual_seed(9 + i)
         assert torch.equal(theirs, fast_ds[i])
+
+
+@pytest.mark.parametrize("decoder", ["torchvision", "torchcodec"])
+def test_bad_images_through_other_backends(corpus, tmp_path, decoder):
+    root = _bad_corpus(tmp_path, _roots(corpus)["posix"])
+    ds = MultimodalDataset(root, source="shards", size=32, on_error="skip", decoder=decoder,
+                           reduce=True)
+    labels = [int(x) for b in torch.utils.data.DataLoader(ds, batch_size=2) for x in b["label"]]
+    assert labels == [0, 2, 4]
+    assert sum(ds.skipped.values()) == 3 and set(ds.skipped) <= {"corrupt", "empty"}

@@ -215,9 +215,11 @@ def probe_image(data: bytes, key: str, limits: DecodeLimits) -> None:
     limits.check_image(width, height, key)
 
 
-def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None) -> torch.Tensor:
+def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None, *,
+               contiguous: bool = True) -> torch.Tensor:
     """Apply the colour rules to a CHW (or NCHW) tensor from a library decoder; with ``limits``,
-    check the caps too (for images whose header probe_image could not read)."""
+    check the caps too (for images whose header probe_image could not read). ``contiguous=False``
+    may return a view (of a decoder's HWC memory) for a caller that copies anyway."""
     if img.dim() == 4:  # animated formats: first frame, as Pillow does
         img = img[0]
     if limits is not None:
@@ -233,7 +235,7 @@ def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None) 
         img = img[:3]
     elif c != 3:
         raise DecodeError("unsupported", key, f"decoder returned {c} channels")
-    return img.contiguous()
+    return img.contiguous() if contiguous else img
 
 
 

@@ -54,16 +54,27 @@ class Decoder:
             p = plan(im.width, im.height)
             if not reduce:
                 return self._pixels(im, key, lambda img: _pil_resized_crop(img, p))
-            full_w, full_h = im.size
-            if im.format == "JPEG":
-                im.draft("RGB", (-(-full_w * p.out_width // p.width),
-                                 -(-full_h * p.out_height // p.height)))
-            sx, sy = im.width / full_w, im.height / full_h
-            if (sx, sy) == (1.0, 1.0):  # full size: torch's resize, from a view of the pixels
-                return self._pixels(im, key, lambda img: crop_resize(_hwc_view(img), p))
-            # DCT-reduced: Pillow resizes from the box at sub-pixel precision
-            box = (p.left * sx, p.top * sy, (p.left + p.width) * sx, (p.top + p.height) * sy)
-            return self._pixels(im, key, lambda img: _pil_resized_crop(img, p, box))
+            scale = self.draft(im, p)
+            if scale is not None:
+                return self.reduced_crop(im, p, scale, key)
+            return self._pixels(im, key, lambda img: crop_resize(_hwc_view(img), p))
+
+    def draft(self, im: Image.Image, p: CropPlan) -> tuple[float, float] | None:
+        """Ask libjpeg for the smallest DCT scale that keeps the crop box at least as large as
+        the output; the (x, y) scale if that is below 1, else None (decode at full size)."""
+        if im.format != "JPEG":
+            return None
+        full_w, full_h = im.size
+        im.draft("RGB", (-(-full_w * p.out_width // p.width), -(-full_h * p.out_height // p.height)))
+        scale = (im.width / full_w, im.height / full_h)
+        return None if scale == (1.0, 1.0) else scale
+
+    def reduced_crop(self, im: Image.Image, p: CropPlan, scale: tuple[float, float],
+                     key: str) -> torch.Tensor:
+        """Decode a drafted JPEG and resize from the plan's box, scaled, at sub-pixel precision."""
+        sx, sy = scale
+        box = (p.left * sx, p.top * sy, (p.left + p.width) * sx, (p.top + p.height) * sy)
+        return self._pixels(im, key, lambda img: _pil_resized_crop(img, p, box))
 
     def _open(self, data: bytes, key: str) -> Image.Image:
         """The image, header read and caps checked; no pixel decoded yet."""

@@ -7,11 +7,21 @@ documented API but NOT tested here: it needs a check on a GPU machine.
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 import torchvision.io as tvio
 
-from .base import DecodeError, LibraryDecoder, probe_image
+from .base import (
+    CropPlan,
+    DecodeError,
+    DecodeLimits,
+    LibraryDecoder,
+    crop_resize,
+    probe_image,
+    to_rgb_chw,
+)
+from .pil import Decoder as PilDecoder
 
 
 def _decode(data: bytes) -> torch.Tensor:
@@ -30,8 +40,38 @@ class Decoder(LibraryDecoder):
     name = "torchvision"
     label = "torchvision"
 
+    def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
+        super().__init__(device=device, limits=limits)
+        self._pil = PilDecoder(limits=self.limits)  # headers, and DCT-scaled JPEG decode
+
     def _decode_chw(self, data: bytes) -> torch.Tensor:
         return _decode(data)
+
+    def decode_resized_crop(
+        self, data: bytes, plan: Callable[[int, int], CropPlan], *, key: str = "",
+        reduce: bool = False,
+    ) -> torch.Tensor:
+        """Decode, crop and resize as ``plan(width, height)`` says, the plan made from the
+        header. libjpeg-turbo decodes straight into a tensor, cropped as a view and resized by
+        torch's vectorised uint8 kernel. With ``reduce``, a JPEG whose crop box is at least twice
+        the output size is decoded at a DCT-reduced scale, through Pillow (torchvision does not
+        expose libjpeg's scaling)."""
+        try:
+            im = self._pil._open(data, key)  # header and caps, nothing decoded
+        except DecodeError as e:
+            if e.reason != "corrupt" or self.device != "cpu":
+                raise
+            return super().decode_resized_crop(data, plan, key=key)  # header unknown to Pillow
+        with im:
+            p = plan(im.width, im.height)
+            scale = self._pil.draft(im, p) if reduce else None
+            if scale is not None:
+                return self._pil.reduced_crop(im, p, scale, key)
+        try:
+            img = _decode(data)
+        except Exception as e:
+            raise DecodeError("corrupt", key, f"torchvision could not decode: {e}") from None
+        return crop_resize(to_rgb_chw(img, key, self.limits, contiguous=False), p)
 
     def decode_jpeg_batch(self, datas: list[bytes], *, keys: list[str] | None = None):
         """Decode JPEGs together; on CUDA through nvJPEG in one call (GPU check pending).
