@@ -2,7 +2,8 @@
 a result queue of shared-memory segments.
 
 Messages from the main process (on the worker's index queue):
-  ("task", send_idx, index)        fetch and collate one batch (or one sample)
+  ("task", send_idx, index, slow)  fetch and collate one batch (or one sample); slow: the loop
+                                   has time to spare, so unmap the batch once it is sent
   ("slabs", release_ids, destroy_ids)  slabs the main process no longer views
   ("resume", shared_seed)          a new epoch on persistent workers
   None                             exit
@@ -27,7 +28,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from . import collate
-from .slabs import IDLE_TRIM_S, SlabWriter
+from .slabs import IDLE_WORKER_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
 
@@ -137,16 +138,16 @@ def worker_loop(
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
 
         iteration_end = False
-        idle_timeout = IDLE_TRIM_S
+        idle_timeout = IDLE_WORKER_S
         while True:
             try:
                 message = index_queue.get(timeout=idle_timeout)
             except queue.Empty:
-                if idle_timeout == IDLE_TRIM_S:  # idle: give back what the ring maps here
+                if idle_timeout == IDLE_WORKER_S:  # no work for a while: unmap the ring here
                     writer.trim()
                 idle_timeout = MP_STATUS_CHECK_INTERVAL
                 continue
-            idle_timeout = IDLE_TRIM_S
+            idle_timeout = IDLE_WORKER_S
             if message is None:
                 break
             kind = message[0]
@@ -165,7 +166,7 @@ def worker_loop(
                 continue
             if done_event.is_set() or iteration_end:
                 continue
-            _, send_idx, index = message
+            _, send_idx, index, writer.loop_is_slow = message
             writer.begin()
             if init_exception is not None:
                 result, init_exception = ("error", init_exception), None

@@ -308,7 +308,9 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
                     break
         else:
             return
-        self._index_queues[worker_id].put(("task", self._send_idx, index))
+        self._index_queues[worker_id].put(
+            ("task", self._send_idx, index, self._ring.loop_is_slow)
+        )
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1

@@ -6,10 +6,11 @@ to its worker when the last tensor viewing it is freed, so users may keep batche
 they like: the ring grows when all slabs are held and shrinks back when they are released.
 
 Idle memory goes back: slabs not in use stop being mapped (their pages stay in the slab file)
-whenever mapping them back later costs little next to the time passing anyway: a worker that
-waited IDLE_TRIM_S for work, a batch that took 20x its remapping cost to produce, a loop step of
-IDLE_TRIM_S. A loop slower than its workers then maps only the batch in its hands, as with
-torch, while a loop that keeps the workers busy pays nothing for it.
+when there is time to map them back later: while the loop spends IDLE_TRIM_S or more of its own
+per step (a paced, GPU-bound loop: the ring tells the workers with each task), after a batch that
+took 20x its remapping cost to produce (decoding), and when a worker has had no work for
+IDLE_WORKER_S. A paced loop then maps only the batch in its hands, as with torch, while a loop
+running flat out, or starved by its workers, pays nothing for it.
 
 Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
 processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
@@ -35,7 +36,8 @@ from .config import TransportConfig
 
 _ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
 _GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
-IDLE_TRIM_S = 0.02  # a loop step or worker wait this long means there is time to remap later
+IDLE_TRIM_S = 0.02  # a loop spending this long per step outside next() leaves time to remap
+IDLE_WORKER_S = 1.0  # a worker with no work this long drops its mappings whatever the loop does
 _TRIM_AFTER_S_PER_BYTE = 20 * 0.3e-9  # 20x the cost of mapping a byte back (~0.3 ms/MB)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and writes fault instead
 
@@ -108,6 +110,7 @@ class SlabWriter:
         self._batch: list[list[int]] = []  # [slab_id, bytes used] for the batch being written
         self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
         self._began = 0.0
+        self.loop_is_slow = False  # set from each task: the loop has time to spare per step
 
     @property
     def gather(self):
@@ -156,8 +159,9 @@ class SlabWriter:
         used = [slab_id for slab_id, _ in self._batch]
         nbytes = sum(n for _, n in self._batch)
         self._expected = max(self._expected, nbytes)
-        if time.monotonic() - self._began >= _TRIM_AFTER_S_PER_BYTE * nbytes:
-            self.trim()  # slow batches (decoding): remapping is cheap next to producing one
+        if (self.loop_is_slow
+                or time.monotonic() - self._began >= _TRIM_AFTER_S_PER_BYTE * nbytes):
+            self.trim()  # the loop, or producing the batch (decoding), leaves time to remap
         self._batch = []
         created, self._created = self._created, []
         if created:
@@ -218,8 +222,8 @@ class SlabRing:
         self._held: dict[tuple[int, int], bool] = {}
         self._released: collections.deque[tuple[int, int]] = collections.deque()
         self._mapped_free: set[tuple[int, int]] = set()  # returned slabs this process still maps
-        self._last_step = time.monotonic()
-        self._slow_loop = False  # the last loop step (batch to batch) took IDLE_TRIM_S or more
+        self._last_lend = time.monotonic()
+        self.loop_is_slow = False  # the loop spent IDLE_TRIM_S or more outside next() last step
         self._closed = False
         _raise_fd_limit()
 
@@ -249,6 +253,7 @@ class SlabRing:
 
         Consumers must keep the view object itself alive, as ``torch.frombuffer`` does: a slice
         of it, or ``np.frombuffer``, shares the memory without holding the object."""
+        self._last_lend = time.monotonic()
         views = {}
         for slab_id in slab_ids:
             key = (worker_id, slab_id)
@@ -265,14 +270,13 @@ class SlabRing:
             self._held.pop(key, None)
             self._unmap(key)
         else:
-            if self._slow_loop and self._pin is None:  # as torch frees a batch, at once
+            if self.loop_is_slow and self._pin is None:  # as torch frees a batch, at once
                 _advise(self._maps[key], mmap.MADV_DONTNEED)
             self._released.append(key)
 
     def step(self) -> None:
-        """The loop asks for its next batch: time its step (slow steps unmap returned slabs)."""
-        now = time.monotonic()
-        self._slow_loop, self._last_step = now - self._last_step >= IDLE_TRIM_S, now
+        """The loop asks for its next batch: time what it did since it got the last one."""
+        self.loop_is_slow = time.monotonic() - self._last_lend >= IDLE_TRIM_S
 
     def drain(self) -> dict[int, tuple[list[int], list[int]]]:
         """Slabs released since the last call, per worker: (to reuse, to destroy)."""
@@ -291,7 +295,7 @@ class SlabRing:
                 release.append(slab_id)
                 if self._pin is None:  # page-locked slabs stay mapped for their lifetime
                     self._mapped_free.add(key)
-        if self._slow_loop:  # unmap what came back
+        if self.loop_is_slow:  # unmap what came back
             for key in self._mapped_free:
                 _advise(self._maps[key], mmap.MADV_DONTNEED)
             self._mapped_free.clear()
