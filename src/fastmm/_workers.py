@@ -2,8 +2,8 @@
 a result queue of shared-memory segments.
 
 Messages from the main process (on the worker's index queue):
-  ("task", send_idx, index, slow)  fetch and collate one batch (or one sample); slow: the loop
-                                   has time to spare, so unmap the batch once it is sent
+  ("task", send_idx, index, spare)  fetch and collate one batch (or one sample); spare: seconds
+                                   the loop spent outside next() last step (see slabs.py)
   ("slabs", release_ids, destroy_ids)  slabs the main process no longer views
   ("resume", shared_seed)          a new epoch on persistent workers
   None                             exit
@@ -166,7 +166,7 @@ def worker_loop(
                 continue
             if done_event.is_set() or iteration_end:
                 continue
-            _, send_idx, index, writer.loop_is_slow = message
+            _, send_idx, index, writer.loop_spare_s = message
             writer.begin()
             if init_exception is not None:
                 result, init_exception = ("error", init_exception), None

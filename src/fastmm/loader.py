@@ -309,7 +309,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         else:
             return
         self._index_queues[worker_id].put(
-            ("task", self._send_idx, index, self._ring.loop_is_slow)
+            ("task", self._send_idx, index, self._ring.loop_spare_s)
         )
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1

@@ -5,12 +5,14 @@ regions of it as tensors without copying. A slab is lent to one batch at a time 
 to its worker when the last tensor viewing it is freed, so users may keep batches as long as
 they like: the ring grows when all slabs are held and shrinks back when they are released.
 
-Idle memory goes back: slabs not in use stop being mapped (their pages stay in the slab file)
-when there is time to map them back later: while the loop spends IDLE_TRIM_S or more of its own
-per step (a paced, GPU-bound loop: the ring tells the workers with each task), after a batch that
-took 20x its remapping cost to produce (decoding), and when a worker has had no work for
-IDLE_WORKER_S. A paced loop then maps only the batch in its hands, as with torch, while a loop
-running flat out, or starved by its workers, pays nothing for it.
+Idle memory goes back: a process unmaps slabs it is not using (their pages stay in the slab
+file) when the time it has to spare is several times what mapping them back will cost it
+(~0.1 ms/MB to read, ~0.2 ms/MB to write). The main process looks at the loop's step (waiting
+for data included) and unmaps the slabs the loop releases; a worker looks at how long the loop
+spent outside next() (sent with each task: a paced, GPU-bound loop) and at how long its batch
+took to make (decoding), and unmaps the batch once sent; a worker without work for IDLE_WORKER_S
+unmaps everything. A paced loop then maps about the batch in its hands, as with torch, while a
+loop running flat out pays nothing for it.
 
 Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
 processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
@@ -36,9 +38,10 @@ from .config import TransportConfig
 
 _ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
 _GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
-IDLE_TRIM_S = 0.02  # a loop spending this long per step outside next() leaves time to remap
+IDLE_TRIM_S = 0.02  # below this much spare time per step, never unmap
 IDLE_WORKER_S = 1.0  # a worker with no work this long drops its mappings whatever the loop does
-_TRIM_AFTER_S_PER_BYTE = 20 * 0.3e-9  # 20x the cost of mapping a byte back (~0.3 ms/MB)
+_READ_REMAP_S_PER_BYTE = 0.1e-9  # faulting a slab's pages back in to read them (main)
+_WRITE_REMAP_S_PER_BYTE = 0.2e-9  # ... to write them (worker, MADV_POPULATE_WRITE)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and writes fault instead
 
 
@@ -110,7 +113,7 @@ class SlabWriter:
         self._batch: list[list[int]] = []  # [slab_id, bytes used] for the batch being written
         self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
         self._began = 0.0
-        self.loop_is_slow = False  # set from each task: the loop has time to spare per step
+        self.loop_spare_s = 0.0  # set from each task: the loop's last step outside next()
 
     @property
     def gather(self):
@@ -159,9 +162,10 @@ class SlabWriter:
         used = [slab_id for slab_id, _ in self._batch]
         nbytes = sum(n for _, n in self._batch)
         self._expected = max(self._expected, nbytes)
-        if (self.loop_is_slow
-                or time.monotonic() - self._began >= _TRIM_AFTER_S_PER_BYTE * nbytes):
-            self.trim()  # the loop, or producing the batch (decoding), leaves time to remap
+        remap_s = _WRITE_REMAP_S_PER_BYTE * nbytes
+        if (self.loop_spare_s >= max(IDLE_TRIM_S, 3 * remap_s)
+                or time.monotonic() - self._began >= 20 * remap_s):
+            self.trim()  # a paced loop, or a slow batch (decoding), leaves time to remap
         self._batch = []
         created, self._created = self._created, []
         if created:
@@ -222,8 +226,9 @@ class SlabRing:
         self._held: dict[tuple[int, int], bool] = {}
         self._released: collections.deque[tuple[int, int]] = collections.deque()
         self._mapped_free: set[tuple[int, int]] = set()  # returned slabs this process still maps
-        self._last_lend = time.monotonic()
-        self.loop_is_slow = False  # the loop spent IDLE_TRIM_S or more outside next() last step
+        self._last_lend = self._last_step = time.monotonic()
+        self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
+        self._step_s = 0.0  # how long the loop's last step took, waiting for data included
         self._closed = False
         _raise_fd_limit()
 
@@ -270,13 +275,20 @@ class SlabRing:
             self._held.pop(key, None)
             self._unmap(key)
         else:
-            if self.loop_is_slow and self._pin is None:  # as torch frees a batch, at once
+            if self._spare_for(key) and self._pin is None:  # as torch frees a batch, at once
                 _advise(self._maps[key], mmap.MADV_DONTNEED)
             self._released.append(key)
 
     def step(self) -> None:
-        """The loop asks for its next batch: time what it did since it got the last one."""
-        self.loop_is_slow = time.monotonic() - self._last_lend >= IDLE_TRIM_S
+        """The loop asks for its next batch: time its step, and what it did since the last one."""
+        now = time.monotonic()
+        self.loop_spare_s = now - self._last_lend
+        self._step_s, self._last_step = now - self._last_step, now
+
+    def _spare_for(self, key: tuple[int, int]) -> bool:
+        """Whether the loop's steps leave time to fault this slab back in later."""
+        cost = _READ_REMAP_S_PER_BYTE * len(self._maps[key])
+        return self._step_s >= max(IDLE_TRIM_S, 3 * cost)
 
     def drain(self) -> dict[int, tuple[list[int], list[int]]]:
         """Slabs released since the last call, per worker: (to reuse, to destroy)."""
@@ -295,10 +307,9 @@ class SlabRing:
                 release.append(slab_id)
                 if self._pin is None:  # page-locked slabs stay mapped for their lifetime
                     self._mapped_free.add(key)
-        if self.loop_is_slow:  # unmap what came back
-            for key in self._mapped_free:
-                _advise(self._maps[key], mmap.MADV_DONTNEED)
-            self._mapped_free.clear()
+        for key in [k for k in self._mapped_free if self._spare_for(k)]:  # unmap what came back
+            _advise(self._maps[key], mmap.MADV_DONTNEED)
+            self._mapped_free.discard(key)
         return out
 
     @property
