@@ -7,7 +7,7 @@ they like: the ring grows when all slabs are held and shrinks back when they are
 
 Idle memory goes back: a process unmaps slabs it is not using (their pages stay in the slab
 file) when the time it has to spare is several times what mapping them back will cost it
-(~0.1 ms/MB to read, ~0.2 ms/MB to write). The main process looks at the loop's step (waiting
+(~0.1 ms/MB to read, ~0.2 ms/MB to write; five and three times that, for main and workers). The main process looks at the loop's step (waiting
 for data included) and unmaps the slabs the loop releases; a worker looks at how long the loop
 spent outside next() (sent with each task: a paced, GPU-bound loop) and at how long its batch
 took to make (decoding), and unmaps the batch once sent; a worker without work for IDLE_WORKER_S
@@ -288,7 +288,7 @@ class SlabRing:
     def _spare_for(self, key: tuple[int, int]) -> bool:
         """Whether the loop's steps leave time to fault this slab back in later."""
         cost = _READ_REMAP_S_PER_BYTE * len(self._maps[key])
-        return self._step_s >= max(IDLE_TRIM_S, 3 * cost)
+        return self._step_s >= max(IDLE_TRIM_S, 5 * cost)
 
     def drain(self) -> dict[int, tuple[list[int], list[int]]]:
         """Slabs released since the last call, per worker: (to reuse, to destroy)."""
