@@ -224,3 +224,18 @@ def test_bad_images_through_other_backends(corpus, tmp_path, decoder):
     labels = [int(x) for b in torch.utils.data.DataLoader(ds, batch_size=2) for x in b["label"]]
     assert labels == [0, 2, 4]
     assert sum(ds.skipped.values()) == 3 and set(ds.skipped) <= {"corrupt", "empty"}
+
+
+def test_wrong_extension_and_bomb_through_the_policy(tmp_path):
+    """A PNG stored as .jpg decodes by its content; a decompression bomb is refused from its
+    header and, under skip, counted as too_large."""
+    png, bomb = io.BytesIO(), io.BytesIO()
+    Image.new("RGB", (20, 10), (200, 10, 10)).save(png, "PNG")
+    Image.new("L", (12000, 12000)).save(bomb, "PNG")  # 144 Mpx: over the default cap
+    write_shards([("a", {"jpg": png.getvalue(), "cls": b"1"}),
+                  ("b", {"png": bomb.getvalue(), "cls": b"2"})], str(tmp_path))
+    for decoder in ("pil", "torchvision"):
+        ds = MultimodalDataset(str(tmp_path), source="shards", decoder=decoder, on_error="skip")
+        (item,) = ds.__getitems__([0, 1])
+        assert item["image"].shape == (3, 10, 20) and int(item["image"][0, 0, 0]) == 200
+        assert ds.skipped == {"too_large": 1}

@@ -439,7 +439,9 @@ def test_killed_worker_raises_runtime_error_like_torch(timeout, transport):
     at once, with or without a timeout (5 times: whether the pipe's EOF or the process's
     exit is seen first is a race)."""
     expected, _ = _run_to_error(TorchDataLoader, SuicideDataset(8, victim=2), timeout)
-    assert expected[0] is RuntimeError and expected[1].startswith("DataLoader worker (pid")
+    # torch is racy here: usually its RuntimeError, sometimes an EOFError from its shared result
+    # queue (seen in CI). fastmm must always give the RuntimeError.
+    assert expected[0] in (RuntimeError, EOFError), expected
     for _ in range(5):
         actual, elapsed = _run_to_error(fastmm.DataLoader, SuicideDataset(8, victim=2), timeout)
         assert actual[0] is RuntimeError
