@@ -7,12 +7,12 @@ they like: the ring grows when all slabs are held and shrinks back when they are
 
 Idle memory goes back: a process unmaps slabs it is not using (their pages stay in the slab
 file) when the time it has to spare is several times what mapping them back will cost it
-(~0.1 ms/MB to read, ~0.2 ms/MB to write; five and three times that, for main and workers). The main process looks at the loop's step (waiting
-for data included) and unmaps the slabs the loop releases; a worker looks at how long the loop
-spent outside next() (sent with each task: a paced, GPU-bound loop) and at how long its batch
-took to make (decoding), and unmaps the batch once sent; a worker without work for IDLE_WORKER_S
-unmaps everything. A paced loop then maps about the batch in its hands, as with torch, while a
-loop running flat out pays nothing for it.
+(~0.1 ms/MB to read, ~0.2 ms/MB to write). The main process looks at the loop's step (waiting
+for data included; 5x the read cost) and unmaps the slabs the loop releases; a worker looks at
+how long the loop spent outside next() (sent with each task: a paced, GPU-bound loop; 3x the
+write cost) and at how long its batch took to make (decoding; 20x), and unmaps the batch once
+sent; a worker without work for IDLE_WORKER_S unmaps everything. A paced loop then maps about
+the batch in its hands, as with torch, while a loop running flat out pays nothing for it.
 
 Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
 processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
@@ -130,8 +130,8 @@ class SlabWriter:
         self._began = time.monotonic()
 
     def trim(self) -> None:
-        """Stop mapping every slab's pages (called while the worker waits for work): batches
-        waiting for the loop and free slabs then count in no process until they are used."""
+        """Stop mapping every slab's pages: batches waiting for the loop and free slabs then
+        count in no process until they are used (the next write maps a slab back)."""
         for slab in self._slabs.values():
             if not slab.trimmed:
                 _advise(slab.mm, mmap.MADV_DONTNEED)
