@@ -191,6 +191,34 @@ def crop_resize(img: torch.Tensor, plan: CropPlan) -> torch.Tensor:
     return img.contiguous()
 
 
+def open_image_header(data: bytes, key: str, limits: DecodeLimits, *,
+                      unidentified_ok: bool = False):
+    """The image opened by Pillow, header read and caps checked, no pixel decoded yet (close
+    it, or use it in a ``with``). Bytes Pillow cannot identify raise DecodeError "corrupt", or
+    give None with ``unidentified_ok``."""
+    from PIL import Image
+
+    if not data:
+        raise DecodeError("empty", key, "zero-byte image")
+    try:
+        with warnings.catch_warnings():
+            # our own cap below replaces Pillow's warning; its hard error still applies
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise DecodeLimitError(key, str(e)) from None
+    except Exception as e:
+        if unidentified_ok:
+            return None
+        raise DecodeError("corrupt", key, f"not a readable image: {e}") from None
+    try:
+        limits.check_image(im.width, im.height, key)
+    except DecodeError:
+        im.close()
+        raise
+    return im
+
+
 def probe_image(data: bytes, key: str, limits: DecodeLimits) -> None:
     """Check the caps from the image header (Pillow reads the header only, lazily).
 
@@ -199,20 +227,11 @@ def probe_image(data: bytes, key: str, limits: DecodeLimits) -> None:
     if not data:
         raise DecodeError("empty", key, "zero-byte image")
     try:
-        from PIL import Image
+        im = open_image_header(data, key, limits, unidentified_ok=True)
     except ImportError:
         return
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
-                width, height = im.size
-    except Image.DecompressionBombError as e:
-        raise DecodeLimitError(key, str(e)) from None
-    except Exception:
-        return
-    limits.check_image(width, height, key)
+    if im is not None:
+        im.close()
 
 
 def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None, *,

@@ -6,7 +6,6 @@ which skips most of the inverse DCT when the target is at most half the source s
 
 from __future__ import annotations
 
-import io
 import warnings
 from typing import Callable
 
@@ -14,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .base import CropPlan, DecodeError, DecodeLimitError, DecodeLimits, crop_resize
+from .base import CropPlan, DecodeError, DecodeLimits, crop_resize, open_image_header
 
 
 class Decoder:
@@ -31,7 +30,7 @@ class Decoder:
     ) -> torch.Tensor:
         """uint8 3xHxW RGB. ``reduce_to=(h, w)``: a JPEG may come back smaller than its full
         size but never smaller than (h, w); other formats come back at full size."""
-        with self._open(data, key) as im:
+        with open_image_header(data, key, self.limits) as im:
             if reduce_to is not None and im.format == "JPEG":
                 h, w = reduce_to
                 im.draft("RGB", (w, h))
@@ -50,7 +49,7 @@ class Decoder:
         the output size) and resized from the box by Pillow at sub-pixel precision; any other
         image is resized by torch's vectorised uint8 kernel (about twice Pillow's speed, within
         one level of it). Pixels differ slightly (docs/dataset.md gives the figures)."""
-        with self._open(data, key) as im:
+        with open_image_header(data, key, self.limits) as im:
             p = plan(im.width, im.height)
             if not reduce:
                 return self._pixels(im, key, lambda img: _pil_resized_crop(img, p))
@@ -75,26 +74,6 @@ class Decoder:
         sx, sy = scale
         box = (p.left * sx, p.top * sy, (p.left + p.width) * sx, (p.top + p.height) * sy)
         return self._pixels(im, key, lambda img: _pil_resized_crop(img, p, box))
-
-    def _open(self, data: bytes, key: str) -> Image.Image:
-        """The image, header read and caps checked; no pixel decoded yet."""
-        if not data:
-            raise DecodeError("empty", key, "zero-byte image")
-        try:
-            with warnings.catch_warnings():
-                # our own cap below replaces Pillow's warning; its hard error still applies
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                im = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as e:
-            raise DecodeLimitError(key, str(e)) from None
-        except Exception as e:
-            raise DecodeError("corrupt", key, f"not a readable image: {e}") from None
-        try:
-            self.limits.check_image(im.width, im.height, key)
-        except DecodeError:
-            im.close()
-            raise
-        return im
 
     @staticmethod
     def _pixels(im: Image.Image, key: str, convert) -> torch.Tensor:

@@ -18,6 +18,7 @@ from .base import (
     DecodeLimits,
     LibraryDecoder,
     crop_resize,
+    open_image_header,
     probe_image,
     to_rgb_chw,
 )
@@ -56,12 +57,9 @@ class Decoder(LibraryDecoder):
         torch's vectorised uint8 kernel. With ``reduce``, a JPEG whose crop box is at least twice
         the output size is decoded at a DCT-reduced scale, through Pillow (torchvision does not
         expose libjpeg's scaling)."""
-        try:
-            im = self._pil._open(data, key)  # header and caps, nothing decoded
-        except DecodeError as e:
-            if e.reason != "corrupt" or self.device != "cpu":
-                raise
-            return super().decode_resized_crop(data, plan, key=key)  # header unknown to Pillow
+        im = open_image_header(data, key, self.limits, unidentified_ok=True)
+        if im is None:  # a header Pillow does not know: decode first, plan from the pixels
+            return super().decode_resized_crop(data, plan, key=key)
         with im:
             p = plan(im.width, im.height)
             scale = self._pil.draft(im, p) if reduce else None
