@@ -143,8 +143,9 @@ class MultimodalDataset(torch.utils.data.Dataset):
     video samples (decided from member extensions, nothing read); samples with neither are left
     out. ``size`` (int or (h, w)) plus ``crop`` ("random": RandomResizedCrop + flip as
     torchvision draws them; "center") give every item the same shape so batches collate; or give
-    a ``ResizedCrop``. ``reduce=True`` lets JPEGs decode at a DCT-reduced scale when the crop is
-    at least twice the output size (pil backend). Videos need ``clip`` (a ClipSpec); frames are
+    a ``ResizedCrop``. ``reduce=True`` is the fast path (pil and torchvision backends): JPEGs
+    decode at a DCT-reduced scale when the crop is at least twice the output size, the rest are
+    resized by torch's vectorised uint8 kernel. Videos need ``clip`` (a ClipSpec); frames are
     resized with the same plan for the whole clip. ``transform`` runs last on the item dict.
     """
 

@@ -9,7 +9,7 @@ typically writes, on the generated multimodal corpus, same output size, batch an
 - video: 16-frame clips at 224x224 (frames every 2nd source frame from a random start): torch
   DataLoader over a Dataset that decodes with torchcodec (then v2 Resize(224) + CenterCrop(224)),
   the same with PyAV, against fastmm.DataLoader over MultimodalDataset (torchcodec backend,
-  resize and crop done by FFmpeg during colour conversion).
+  centre crop first, then torch's uint8 resize).
 
 Every arm's frame and crop choices come from the same random draws (ClipSpec, and torchvision's
 RandomResizedCrop order), so all arms do the same work. Repetitions are interleaved (A B C A B C)
