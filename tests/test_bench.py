@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ ENV_KEYS = {
     "kernel", "versions", "fastmm_uses_cpp", "fastmm_transport", "cpu_model", "cpu_count_logical",
     "cpu_count_usable", "ram_total_bytes", "ram_available_bytes_at_start", "dev_shm", "slab_dir",
     "torch_num_threads", "multiprocessing_start_method", "loadavg_at_start", "git", "loadavg_at_end",
+    "fastmm_env",
 }
 WINDOW_KEYS = {
     "phase", "rep", "order", "started_unix_s", "first_batch_s", "warm_batches", "batches",
@@ -314,3 +316,15 @@ def test_paced_steps_last_step_s():
     assert fig["samples_per_s"] == pytest.approx(2 / 0.02, rel=0.15)
     assert fig["samples_per_s"] <= 2 / 0.02 * 1.1
     assert fig["first_batch_crc32"] == zlib.crc32(bytes(16))
+
+
+def test_environment_command_carries_fastmm_settings(monkeypatch):
+    from fastmm.bench import env
+
+    for name in [k for k in os.environ if k.startswith("FASTMM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FASTMM_SLAB_MEMORY", "lean")
+    record = env.capture(["fastmm-bench", "--quick"])
+    assert record["command"] == "FASTMM_SLAB_MEMORY=lean fastmm-bench --quick"
+    assert record["fastmm_env"] == {"FASTMM_SLAB_MEMORY": "lean"}
+    assert record["fastmm_transport"]["slab_memory"] == "lean"

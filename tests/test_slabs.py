@@ -100,3 +100,12 @@ def test_backend_choice_follows_environment(monkeypatch):
     monkeypatch.setenv("FASTMM_PURE_PYTHON", "maybe")
     with pytest.raises(fastmm.ConfigError, match="FASTMM_PURE_PYTHON='maybe'"):
         fastmm.uses_cpp()
+
+
+def test_slab_memory_mode_follows_environment(monkeypatch):
+    assert fastmm.TransportConfig.from_env().slab_memory == "auto"
+    monkeypatch.setenv("FASTMM_SLAB_MEMORY", "Lean")
+    assert fastmm.TransportConfig.from_env().slab_memory == "lean"
+    monkeypatch.setenv("FASTMM_SLAB_MEMORY", "small")
+    with pytest.raises(fastmm.ConfigError, match=r"FASTMM_SLAB_MEMORY='small'.*'auto', 'lean'"):
+        iter(fastmm.DataLoader(range(4), num_workers=1))

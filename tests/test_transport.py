@@ -263,3 +263,28 @@ def test_slow_loop_maps_only_the_batch_in_hand(path):
             ring = max(ring, len(ours))
     assert ring >= 4  # the ring itself holds more than two batches ...
     assert max(peaks) <= 2 * batch_bytes  # ... but only about one is mapped
+
+
+def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(path, monkeypatch):
+    """FASTMM_SLAB_MEMORY=lean: with a loop as fast as it can go, the batches queued for it are
+    mapped by no process; only the batch being read and those being written count. (By default
+    the whole ring stays mapped at full speed: measured here ~10 batches of the same loop.)"""
+    monkeypatch.setenv("FASTMM_SLAB_MEMORY", "lean")
+    batch_bytes = 2 * 4 * 1024 * 1024
+
+    class Long(Big):
+        def __len__(self):
+            return 600
+
+    it = iter(fastmm.DataLoader(Long(), batch_size=2, num_workers=2, prefetch_factor=4))
+    peaks, ring = [], 0
+    for k, batch in enumerate(it):
+        assert int(batch[0, 0, 0, 0]) == (2 * k) % 251
+        batch.view(torch.int64).sum()  # reads every byte, fast: the loop runs flat out
+        if k % 15 == 14:  # sampling is slow: let the loop get back to full speed in between
+            ours = {_address(mm) for mm in it._ring._maps.values()}
+            peaks.append(_slab_pss(os.getpid(), ours)
+                         + sum(_slab_pss(w.pid) for w in it._workers))
+            ring = max(ring, len(ours))
+    assert ring >= 5  # up to eight batches are in flight ...
+    assert max(peaks) <= 3 * batch_bytes  # ... but one is read and at most two are written

@@ -47,13 +47,21 @@ class TransportConfig:
 
     pure_python: bool = False  # FASTMM_PURE_PYTHON: force the NumPy twin of fastmm._C
     shm_dir: str = "/dev/shm"  # FASTMM_SHM_DIR: tmpfs that holds the slabs
+    # FASTMM_SLAB_MEMORY: "auto" unmaps idle slabs when the loop leaves time to map them back;
+    # "lean" unmaps every batch once read or sent, so batches waiting in the queue count in no
+    # process (as torch's do), at the price of faulting every batch in twice.
+    slab_memory: Literal["auto", "lean"] = "auto"
 
     @classmethod
     def from_env(cls) -> "TransportConfig":
         return cls(
             pure_python=_env_bool("FASTMM_PURE_PYTHON", False),
             shm_dir=_env_dir("FASTMM_SHM_DIR", "/dev/shm"),
+            slab_memory=_env_choice("FASTMM_SLAB_MEMORY", "auto", SLAB_MEMORY_MODES),
         )
+
+
+SLAB_MEMORY_MODES = ("auto", "lean")
 
 
 SOURCE_KINDS = ("posix", "staged", "shards")

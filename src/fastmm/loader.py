@@ -100,7 +100,9 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
 
         # A worker runs ahead by up to prefetch_factor batches: keeping that many free slabs plus
         # the one just released means a steady loop never creates or destroys a slab.
-        self._ring = SlabRing(self._prefetch_factor + 1, pin=pin, unpin=unpin)
+        self._ring = SlabRing(
+            self._prefetch_factor + 1, pin=pin, unpin=unpin, lean=transport.slab_memory == "lean"
+        )
         self._workers_done_event = context.Event()
         self._index_queues = []
         self._workers = []

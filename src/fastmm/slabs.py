@@ -13,6 +13,8 @@ how long the loop spent outside next() (sent with each task: a paced, GPU-bound 
 write cost) and at how long its batch took to make (decoding; 20x), and unmaps the batch once
 sent; a worker without work for IDLE_WORKER_S unmaps everything. A paced loop then maps about
 the batch in its hands, as with torch, while a loop running flat out pays nothing for it.
+FASTMM_SLAB_MEMORY=lean unmaps every batch whatever the pace: less memory mapped at full speed,
+for the cost of faulting each batch in twice (once to write, once to read).
 
 Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
 processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
@@ -163,7 +165,8 @@ class SlabWriter:
         nbytes = sum(n for _, n in self._batch)
         self._expected = max(self._expected, nbytes)
         remap_s = _WRITE_REMAP_S_PER_BYTE * nbytes
-        if (self.loop_spare_s >= max(IDLE_TRIM_S, 3 * remap_s)
+        if (self._config.slab_memory == "lean"
+                or self.loop_spare_s >= max(IDLE_TRIM_S, 3 * remap_s)
                 or time.monotonic() - self._began >= 20 * remap_s):
             self.trim()  # a paced loop, or a slow batch (decoding), leaves time to remap
         self._batch = []
@@ -217,10 +220,12 @@ class SlabWriter:
 class SlabRing:
     """Main side: maps every worker's slabs and returns them once no tensor views them."""
 
-    def __init__(self, keep_free_per_worker: int, pin=None, unpin=None):
+    def __init__(self, keep_free_per_worker: int, pin=None, unpin=None, lean: bool = False):
         """``pin(address, nbytes)`` / ``unpin(address)``, if given, page-lock each mapping once
-        for its lifetime (CUDA host registration), so batches need no pinned staging copy."""
+        for its lifetime (CUDA host registration), so batches need no pinned staging copy.
+        ``lean``: unmap every slab the loop releases, whatever its pace (FASTMM_SLAB_MEMORY)."""
         self._keep = keep_free_per_worker
+        self._lean = lean
         self._pin, self._unpin = pin, unpin
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._held: dict[tuple[int, int], bool] = {}
@@ -288,7 +293,7 @@ class SlabRing:
     def _spare_for(self, key: tuple[int, int]) -> bool:
         """Whether the loop's steps leave time to fault this slab back in later."""
         cost = _READ_REMAP_S_PER_BYTE * len(self._maps[key])
-        return self._step_s >= max(IDLE_TRIM_S, 5 * cost)
+        return self._lean or self._step_s >= max(IDLE_TRIM_S, 5 * cost)
 
     def drain(self) -> dict[int, tuple[list[int], list[int]]]:
         """Slabs released since the last call, per worker: (to reuse, to destroy)."""

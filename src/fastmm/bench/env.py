@@ -87,9 +87,12 @@ def capture(argv: list[str] | None = None) -> dict:
     argv = sys.argv if argv is None else argv
     transport = TransportConfig.from_env()
     memory = psutil.virtual_memory()
+    # FASTMM_* settings change what is measured: they belong to the command that reproduces it.
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTMM_")}
     return {
         "timestamp_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(argv),
+        "command": shlex.join([f"{k}={v}" for k, v in settings.items()] + list(argv)),
+        "fastmm_env": settings,
         "argv": list(argv),
         "cwd": os.getcwd(),
         "python": sys.version.split()[0],
