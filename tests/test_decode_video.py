@@ -84,6 +84,27 @@ def test_clip_frames_are_the_frames_asked_for(dec, mp4, spec, expected):
     _check(clip, idx, spec.num_frames)
 
 
+@pytest.mark.parametrize("box", [(0, 0, H, W), (3, 7, 41, 50), (16, 0, 48, 32)])
+@pytest.mark.parametrize("out,flip", [((41, 50), False), ((24, 20), True)])
+def test_resized_clip_crops_in_the_decoder_as_cropping_afterwards(dec, mp4, box, out, flip):
+    """decode_resized_clip crops inside FFmpeg: the same pixels as decode_clip + crop_resize,
+    odd offsets included; the plan sees the frame size (width, height)."""
+    from fastmm.decode.base import CropPlan, crop_resize
+
+    seen = []
+
+    def plan(width, height):
+        seen.append((width, height))
+        return CropPlan(*box, *out, flip)
+
+    spec = ClipSpec(num_frames=5, stride=3, sampling="start")
+    clip, idx = dec.decode_resized_clip(mp4, spec, plan, key="v")
+    full, full_idx = dec.decode_clip(mp4, spec, key="v")
+    assert seen == [(W, H)] and idx == full_idx == [0, 3, 6, 9, 12]
+    assert torch.equal(clip, crop_resize(full, CropPlan(*box, *out, flip)))
+    assert clip.shape == (5, 3, *out)
+
+
 def test_random_clips_seeded_and_from_generator(dec, mp4):
     spec = ClipSpec(num_frames=4, stride=3, sampling="random", seed=11)
     starts = set()

@@ -27,7 +27,7 @@ import torch
 import torch.utils.data
 
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
-from .decode.base import CropPlan, crop_resize
+from .decode.base import CropPlan
 from .sources import Problem, Source, SourceError, open_source
 
 OnError = Literal["raise", "skip", "replace"]
@@ -299,7 +299,6 @@ class MultimodalDataset(torch.utils.data.Dataset):
         if not hasattr(self.decoder, "decode_clip"):
             raise DecodeError("unsupported", key,
                               f"the {self.decoder.name} decoder has no video; use torchcodec")
-        frames, _ = self.decoder.decode_clip(data, self.clip, key=key)
         if self.crop is None:
-            return frames
-        return crop_resize(frames, self.crop.plan(frames.shape[-1], frames.shape[-2]))
+            return self.decoder.decode_clip(data, self.clip, key=key)[0]
+        return self.decoder.decode_resized_clip(data, self.clip, self.crop.plan, key=key)[0]

@@ -171,9 +171,10 @@ class CropPlan(NamedTuple):
     flip: bool = False
 
 
-def crop_resize(img: torch.Tensor, plan: CropPlan) -> torch.Tensor:
+def crop_resize(img: torch.Tensor, plan: CropPlan, *, contiguous: bool = True) -> torch.Tensor:
     """Apply a CropPlan to a uint8 CxHxW image or TxCxHxW clip: crop, bilinear antialiased
-    resize, flip."""
+    resize, flip. ``contiguous=False`` may return the layout the input had (decoded clips are
+    channels-last), leaving the one copy to whoever stacks the batch."""
     img = img[..., plan.top : plan.top + plan.height, plan.left : plan.left + plan.width]
     if (plan.height, plan.width) != (plan.out_height, plan.out_width):
         frames = img if img.dim() == 4 else img[None]
@@ -188,7 +189,7 @@ def crop_resize(img: torch.Tensor, plan: CropPlan) -> torch.Tensor:
         img = out if img.dim() == 4 else out[0]
     if plan.flip:
         img = img.flip(-1)
-    return img.contiguous()
+    return img.contiguous() if contiguous else img
 
 
 def open_image_header(data: bytes, key: str, limits: DecodeLimits, *,

@@ -8,10 +8,13 @@ it needs a check on a GPU machine.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torchcodec import decoders as tcd
+from torchcodec.transforms import DecoderTransform
 
-from .base import ClipSpec, DecodeError, LibraryDecoder, to_rgb_chw
+from .base import ClipSpec, CropPlan, DecodeError, LibraryDecoder, crop_resize, to_rgb_chw
 
 
 class Decoder(LibraryDecoder):
@@ -28,11 +31,35 @@ class Decoder(LibraryDecoder):
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """uint8 TxCxHxW RGB clip and the source frame index of each of its frames."""
+        return self._clip(data, spec, key, generator, [])
+
+    def decode_resized_clip(
+        self, data: bytes, spec: ClipSpec, plan: Callable[[int, int], CropPlan], *,
+        key: str = "", generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The clip cropped and resized as ``plan(width, height)`` says (one plan for all its
+        frames). FFmpeg crops each frame before it is handed over, so only the box is converted
+        to RGB and copied (the same pixels as cropping afterwards); the plan is drawn when the
+        video is opened, before the clip's start frame. The clip may be channels-last in
+        memory: the batch's stack makes the one copy it needs."""
+        crop = _PlannedCrop(plan)
+        try:
+            frames, idx = self._clip(data, spec, key, generator, [crop])
+        except DecodeError:
+            if crop.plan is not None:
+                raise
+            # no frame size in the container (or no video at all): plan from decoded frames
+            frames, idx = self._clip(data, spec, key, generator, [])
+            return crop_resize(frames, plan(frames.shape[-1], frames.shape[-2]), contiguous=False), idx
+        return crop_resize(frames, crop.plan._replace(top=0, left=0), contiguous=False), idx
+
+    def _clip(self, data, spec, key, generator, transforms):
         if not data:
             raise DecodeError("empty", key, "zero-byte video")
         try:
             # "exact" scans the packets once (no pixels) for true frame counts and seeking
-            dec = tcd.VideoDecoder(data, device=self.device, seek_mode="exact")
+            dec = tcd.VideoDecoder(data, device=self.device, seek_mode="exact",
+                                   transforms=transforms or None)
             meta = dec.metadata
         except Exception as e:
             raise DecodeError(_open_failure(data), key, f"no readable video stream: {e}") from None
@@ -46,6 +73,21 @@ class Decoder(LibraryDecoder):
         except Exception as e:
             raise DecodeError("corrupt", key, f"decoding frames {idx} failed: {e}") from None
         return frames, idx
+
+
+class _PlannedCrop(DecoderTransform):
+    """A decoder-side crop to the box a CropPlan picks once the frame size is known."""
+
+    def __init__(self, plan: Callable[[int, int], CropPlan]):
+        self._make_plan = plan
+        self.plan: CropPlan | None = None
+
+    def _make_transform_spec(self, input_dims: tuple[int | None, int | None]) -> str:
+        height, width = input_dims
+        if height is None or width is None:
+            raise ValueError("the container gives no frame size to plan the crop from")
+        p = self.plan = self._make_plan(width, height)
+        return f"crop, {p.height}, {p.width}, {p.left}, {p.top}"
 
 
 def _open_failure(data: bytes) -> str:
