@@ -22,6 +22,8 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
+from .telemetry.recorder import TimedCollate
+
 INLINE_MAX_BYTES = 16 * 1024  # smaller storages travel inside the message; a slab is not worth it
 _ALIGN = 64  # storage copies start on a cache line, like the allocations they come from
 
@@ -69,6 +71,8 @@ def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
 
 def worker_collate_fn(collate_fn):
     """The collate function a worker runs in place of the loader's ``collate_fn``."""
+    if isinstance(collate_fn, TimedCollate):  # telemetry's timing stays around our collation
+        return collate_fn.rewrap(worker_collate_fn(collate_fn.fn))
     if collate_fn is not default_collate:
         return collate_fn
     fn_map = {**default_collate_fn_map, torch.Tensor: _collate_tensor_into_slab}

@@ -62,6 +62,21 @@ class TransportConfig:
 
 
 SLAB_MEMORY_MODES = ("auto", "lean")
+TELEMETRY_MODES = ("off", "summary", "trace")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Telemetry fastmm.DataLoader turns on by itself (fastmm.telemetry.Telemetry otherwise)."""
+
+    mode: Literal["off", "summary", "trace"] = "off"  # FASTMM_TELEMETRY
+    directory: str = "fastmm-telemetry"  # FASTMM_TELEMETRY_DIR: where each epoch's exports go
+
+    @classmethod
+    def from_env(cls) -> "TelemetryConfig":
+        directory = os.environ.get("FASTMM_TELEMETRY_DIR", "").strip() or cls.directory
+        return cls(mode=_env_choice("FASTMM_TELEMETRY", "off", TELEMETRY_MODES),
+                   directory=directory)
 
 
 SOURCE_KINDS = ("posix", "staged", "shards")

@@ -29,6 +29,7 @@ import torch.utils.data
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
 from .sources import Problem, Source, SourceError, open_source
+from .telemetry import stage
 
 OnError = Literal["raise", "skip", "replace"]
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -149,6 +150,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
     resized with the same plan for the whole clip. ``transform`` runs last on the item dict.
     """
 
+    marks_sample_stage = True  # telemetry: its own "sample" spans, one per item
+
     def __init__(
         self,
         root=None,
@@ -242,6 +245,10 @@ class MultimodalDataset(torch.utils.data.Dataset):
         return items
 
     def _get(self, index: int):
+        with stage("sample"):
+            return self._get_unmarked(index)
+
+    def _get_unmarked(self, index: int):
         items = self._index()
         n = len(items)
         if not -n <= index < n:
@@ -269,24 +276,30 @@ class MultimodalDataset(torch.utils.data.Dataset):
                     error.key, origin or "decoder", error)
 
     def _load(self, i: int) -> dict:
-        sample = self.source.read(i)
+        with stage("read") as mark:
+            sample = self.source.read(i)
+            mark.bytes = sum(len(v) for v in sample.members.values())
         key = sample.key
         image = next((e for e in IMAGE_EXTS if e in sample.members), None)
         video = next((e for e in VIDEO_EXTS if e in sample.members), None)
         try:
-            if image is not None and self.modality != "video":
-                item = {"key": key, "image": self._image(sample.members[image], key)}
-            elif video is not None:
-                item = {"key": key, "video": self._video(sample.members[video], key)}
-            else:
-                raise SourceError("missing_member", key, sample.origin, "no image or video")
+            with stage("decode"):  # with the crop and resize planned into it
+                if image is not None and self.modality != "video":
+                    item = {"key": key, "image": self._image(sample.members[image], key)}
+                elif video is not None:
+                    item = {"key": key, "video": self._video(sample.members[video], key)}
+                else:
+                    raise SourceError("missing_member", key, sample.origin, "no image or video")
         except DecodeError as e:
             e.origin = sample.origin  # a decode error names where the bytes came from too
             raise
         item["caption"] = sample.members.get("txt", b"").decode("utf-8", "replace")
         label = sample.members.get("cls", b"").strip()
         item["label"] = int(label) if label.lstrip(b"-").isdigit() else -1
-        return self.transform(item) if self.transform is not None else item
+        if self.transform is None:
+            return item
+        with stage("augment"):
+            return self.transform(item)
 
     def _image(self, data: bytes, key: str) -> torch.Tensor:
         if self.crop is None:

@@ -16,6 +16,7 @@ import itertools
 import multiprocessing.connection
 import signal
 import socket
+import sys
 import time
 
 import torch
@@ -27,8 +28,9 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 
 from . import collate
 from ._workers import worker_loop
-from .config import TransportConfig
+from .config import TelemetryConfig, TransportConfig
 from .slabs import SlabRing
+from .telemetry import Telemetry
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 _OPEN_CHANNELS: dict[int, tuple] = {}  # id(iterator) -> its result connections and fd sockets
@@ -42,11 +44,27 @@ class DataLoader(torch.utils.data.DataLoader):
         + (torch.utils.data.DataLoader.__doc__ or "")
     )
 
+    def __iter__(self):
+        config = TelemetryConfig.from_env()
+        if config.mode == "off":
+            return super().__iter__()
+        # FASTMM_TELEMETRY: one session per loader, exported at the end of every epoch
+        tm = self.__dict__.get("_fastmm_telemetry")
+        if tm is None:
+            tm = self.__dict__["_fastmm_telemetry"] = Telemetry(trace=config.mode == "trace")
+        return _exported(tm, tm.watch(self, _iterate=super().__iter__), config.directory)
+
     def _get_iterator(self):
         if self.num_workers == 0:
             return super()._get_iterator()
         self.check_worker_number_rationality()
         return _SlabDataLoaderIter(self)
+
+
+def _exported(tm: Telemetry, watched, directory: str):
+    yield from watched
+    paths = tm.export(directory)
+    print(f"fastmm telemetry: {', '.join(paths.values())}", file=sys.stderr)
 
 
 def _check_cuda(status, what: str) -> None:

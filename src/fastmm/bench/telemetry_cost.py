@@ -1,0 +1,153 @@
+"""What telemetry costs: the same loader with telemetry off, on (summary) and on with the trace,
+side by side, for torch's DataLoader and fastmm's, on the image pipelines of
+``fastmm.bench.pipelines`` (decode-bound, 2 workers) and on a transport-bound dataset (tiny
+samples, so per-sample and per-batch overhead shows). Repetitions interleaved after a warm-up;
+medians with min-max and paired ratios to "off". Run:
+``python -m fastmm.bench.telemetry_cost --out DIR`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch.utils.data import Dataset
+
+from ..telemetry import Telemetry
+from . import harness, stats
+from .corpus import default_cache_dir
+from .mmcorpus import CorpusSpec
+from .pipelines import SIZE, TorchImageDataset, _files, ensure_mmcorpus
+from .workloads import CONSUMERS
+
+MODES = ("off", "summary", "trace")
+
+
+class Tiny(Dataset):
+    """Samples that cost almost nothing to make: what telemetry adds per sample shows."""
+
+    def __len__(self):
+        return 1 << 30
+
+    def __getitem__(self, i):
+        return torch.full((64,), i % 251, dtype=torch.uint8)
+
+
+def _datasets(root: str) -> dict:
+    import fastmm
+
+    manifest = os.path.join(root, "posix", "manifest.jsonl")
+    return {
+        "images": {
+            "torch": (torch.utils.data.DataLoader, TorchImageDataset(_files(root, ("jpg", "png")))),
+            "fastmm": (fastmm.DataLoader, fastmm.MultimodalDataset(
+                manifest, decoder="torchvision", reduce=True, modality="image", size=SIZE,
+                transform=lambda item: item["image"])),
+        },
+        "tiny": {"torch": (torch.utils.data.DataLoader, Tiny()),
+                 "fastmm": (fastmm.DataLoader, Tiny())},
+    }
+
+
+def run(args) -> dict:
+    # the corpus of fastmm.bench.pipelines (same spec: generated once, shared in the cache)
+    root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=args.videos,
+                                      seed=args.seed), args.cache_dir)
+    consume = CONSUMERS["sum64"][0]
+    out = {"command": " ".join(sys.argv), "cases": {}}
+    for case, loaders in _datasets(root).items():
+        if case not in args.workloads:
+            continue
+        batch = args.batch if case == "images" else 256
+        figs: dict[str, list] = {}
+
+        def rep(loader_name, mode, seconds, index):
+            loader_class, dataset = loaders[loader_name]
+            sessions = []
+
+            def make():
+                torch.manual_seed(args.seed + index)
+                sampler = torch.utils.data.RandomSampler(dataset, replacement=True,
+                                                         num_samples=1 << 40)
+                loader = loader_class(dataset, batch_size=batch, sampler=sampler,
+                                      num_workers=args.num_workers)
+                if mode == "off":
+                    return loader
+                sessions.append(Telemetry(trace=mode == "trace"))
+                return sessions[-1].watch(loader)
+            fig = harness.run_loader(make, args.num_workers, seconds, consume)
+            for tm in sessions:
+                fig["spans_dropped"] = tm.log.dropped
+                tm.close()
+            print(f"[{case}] rep {index} {loader_name:7s} {mode:8s} "
+                  f"{fig['samples_per_s']:10.1f} samples/s", file=sys.stderr, flush=True)
+            return fig
+
+        arms = [(loader, mode) for loader in loaders for mode in MODES]
+        for loader, mode in arms:
+            rep(loader, mode, args.warmup_seconds, -1)
+        for r in range(args.reps):
+            for loader, mode in arms:
+                figs.setdefault(f"{loader} {mode}", []).append(
+                    rep(loader, mode, args.min_seconds, r))
+        rates = {n: [f["samples_per_s"] for f in fs] for n, fs in figs.items()}
+        out["cases"][case] = {
+            "batch_size": batch, "num_workers": args.num_workers,
+            "arms": {n: stats.summarize(v) for n, v in rates.items()},
+            "on_over_off": {
+                f"{loader} {mode}": stats.summarize(stats.paired_ratios(
+                    rates[f"{loader} {mode}"], rates[f"{loader} off"]))
+                for loader in loaders for mode in MODES[1:]
+            },
+        }
+    return out
+
+
+def report(result: dict) -> str:
+    lines = []
+    for case, c in result["cases"].items():
+        lines.append(f"{case}: batch {c['batch_size']}, {c['num_workers']} workers "
+                     "(samples/s median [min-max]; on / off paired per repetition)")
+        for name, s in c["arms"].items():
+            ratio = c["on_over_off"].get(name)
+            extra = f"   {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else ""
+            lines.append(f"  {name:16s} {s['median']:10.1f} [{s['min']:.1f}-{s['max']:.1f}]{extra}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.telemetry_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-out/telemetry-cost")
+    p.add_argument("--workloads", default="images,tiny")
+    p.add_argument("--images", type=int, default=1500)
+    p.add_argument("--videos", type=int, default=24)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--min-seconds", type=float, default=4.0)
+    p.add_argument("--warmup-seconds", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--quick", action="store_true", help="smoke run: small corpus, short reps")
+    args = p.parse_args(argv)
+    args.workloads = args.workloads.split(",")
+    if args.quick:
+        args.images, args.videos, args.reps = 64, 4, 1
+        args.min_seconds, args.warmup_seconds = 0.5, 0.25
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "telemetry_cost.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = report(result)
+    with open(os.path.join(args.out, "telemetry_cost.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

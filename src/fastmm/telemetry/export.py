@@ -1,0 +1,95 @@
+"""Exports of a telemetry session: a summary (JSON and a terminal table), a time series (JSON
+lines, one sampler row each) and a Chrome trace (JSON; opens in Perfetto or chrome://tracing)
+with one track for the main loop, one per worker and one for the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .metrics import METRICS
+from .recorder import STAGES
+
+MAIN_TID, GPU_TID = 0, 1000
+
+
+def table(summary: dict) -> str:
+    """The summary as aligned text: distributions as p50 / p95 / p99 / max."""
+    lines = [f"{summary['loader']}: {summary['samples']} samples in {summary['batches']} "
+             f"batches, {summary['num_workers']} workers, {summary['wall_s']:.2f} s"]
+    width = max(len(k) for k in METRICS)
+    for name in METRICS:
+        value = summary["metrics"].get(name)
+        if isinstance(value, dict):
+            text = "  ".join(f"{k} {_fmt(name, value[k])}" for k in ("p50", "p95", "p99", "max"))
+            text += f"  (n={value['count']})"
+        elif value is None:
+            text = "-"
+        else:
+            text = _fmt(name, value)
+        lines.append(f"  {name:<{width}}  {text}")
+    return "\n".join(lines)
+
+
+def _fmt(name: str, value: float) -> str:
+    if name.endswith("_bytes"):
+        return f"{value / 2**20:.1f} MiB"
+    if name.endswith("_bytes_per_s"):
+        return f"{value / 2**20:.1f} MiB/s"
+    if name.endswith("_s") and not name.endswith("per_s"):
+        return f"{value * 1e3:.2f} ms"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def write(directory: str, summary: dict, series: list[dict], spans, loop_events, gpu_events,
+          t0_ns: int) -> dict[str, str]:
+    os.makedirs(directory, exist_ok=True)
+    paths = {"summary": os.path.join(directory, "summary.json"),
+             "timeseries": os.path.join(directory, "timeseries.jsonl")}
+    with open(paths["summary"], "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(paths["timeseries"], "w") as f:
+        for row in series:
+            f.write(json.dumps(row) + "\n")
+    if spans is not None:
+        paths["trace"] = os.path.join(directory, "trace.json")
+        with open(paths["trace"], "w") as f:
+            json.dump(chrome_trace(spans, loop_events, gpu_events, series, t0_ns,
+                                   summary["loader"]), f)
+    return paths
+
+
+def chrome_trace(spans, loop_events, gpu_events, series, t0_ns: int, loader: str) -> dict:
+    """Trace Event Format: complete ("X") events in microseconds from the session's start."""
+    pid = 1
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": loader}},
+              {"ph": "M", "name": "thread_name", "pid": pid, "tid": MAIN_TID,
+               "args": {"name": "main loop"}}]
+    rows = sorted({int(r) for r in spans[:, 0]}) if len(spans) else []
+    for row in rows:
+        if row:
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": row,
+                           "args": {"name": f"worker {row - 1}"}})
+    for row, code, start, end, value in spans.tolist():
+        event = {"ph": "X", "name": STAGES[code], "pid": pid, "tid": row or MAIN_TID,
+                 "ts": (start - t0_ns) / 1e3, "dur": (end - start) / 1e3}
+        if value:
+            event["args"] = {"bytes" if STAGES[code] == "read" else "samples": value}
+        events.append(event)
+    for name, start, end in loop_events:
+        events.append({"ph": "X", "name": name, "pid": pid, "tid": MAIN_TID,
+                       "ts": (start - t0_ns) / 1e3, "dur": (end - start) / 1e3})
+    if gpu_events:
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": GPU_TID,
+                       "args": {"name": "GPU"}})
+    for name, start, seconds in gpu_events:  # placed at the host time the work was queued
+        events.append({"ph": "X", "name": name, "pid": pid, "tid": GPU_TID,
+                       "ts": (start - t0_ns) / 1e3, "dur": seconds * 1e6})
+    for row in series:
+        if "pss_bytes" in row and all(v is not None for v in row["pss_bytes"]):
+            events.append({"ph": "C", "name": "total_pss_bytes", "pid": pid,
+                           "ts": (row["t_ns"] - t0_ns) / 1e3,
+                           "args": {"bytes": sum(row["pss_bytes"])}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -1,0 +1,274 @@
+"""Stage spans from every process of a loader, kept in shared memory (no message per sample).
+
+Each process writes its spans into its own ring (one row: the main process, or worker id + 1),
+so no lock is needed; the main process drains the rings while the loader runs. Datasets mark
+their stages with ``stage("read" | "decode" | "augment")``; with no telemetry watching, a mark
+costs one global lookup.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.context
+import multiprocessing.sharedctypes
+import os
+import time
+
+import numpy as np
+import torch
+
+STAGES = ("sample", "read", "decode", "augment", "collate")
+_CODE = {name: i for i, name in enumerate(STAGES)}
+_FIELDS = 4  # stage code, start ns, end ns, value (bytes read, samples collated)
+ROWS = 65  # the main process and 64 worker slots (worker id mod 64)
+CAPACITY = 16384  # spans per row between drains
+
+_active: tuple["SpanLog", int] | None = None  # this process's log and row, while watched
+_active_pid = -1
+
+
+class SpanLog:
+    """Rings of (stage, start_ns, end_ns, value) records, one row per process."""
+
+    def __init__(self, rows: int = ROWS, capacity: int = CAPACITY):
+        self.rows, self.capacity = rows, capacity
+        self._array = multiprocessing.sharedctypes.RawArray("q", rows * (1 + capacity * _FIELDS))
+        # per row: bytes read by earlier processes of the row, read_chars when this one started
+        # recording, and its latest read_chars (updated after each batch it collates)
+        self._io = multiprocessing.sharedctypes.RawArray("q", rows * 3)
+        self._view = None
+        self._drained = [0] * rows
+        self.dropped = 0
+
+    def _rows(self) -> np.ndarray:
+        if self._view is None:
+            self._view = np.frombuffer(self._array, dtype=np.int64).reshape(self.rows, -1)
+        return self._view
+
+    def write(self, row: int, code: int, start_ns: int, end_ns: int, value: int = 0) -> None:
+        ring = self._rows()[row]
+        n = int(ring[0])
+        base = 1 + (n % self.capacity) * _FIELDS
+        ring[base : base + _FIELDS] = (code, start_ns, end_ns, value)
+        ring[0] = n + 1  # published after the record (x86 keeps store order)
+
+    def note_reads(self, row: int, first: bool = False, chars: int | None = None) -> None:
+        """Publish a read counter in its row (``first``: a new process starts recording): this
+        process's, or ``chars`` (the main process counts only its loop's thread: its own
+        counter also takes in the reads of every worker it reaps)."""
+        chars = _read_chars() if chars is None else chars
+        base = 3 * row
+        if first:
+            self._io[base] += self._io[base + 2] - self._io[base + 1]
+            self._io[base + 1] = chars
+        self._io[base + 2] = chars
+
+    def read_bytes(self) -> int:
+        """Bytes read by the processes that recorded into this log, from when they started."""
+        io = self._io
+        return sum(io[3 * r] + io[3 * r + 2] - io[3 * r + 1] for r in range(self.rows))
+
+    def drain(self) -> np.ndarray:
+        """New records since the last drain, as rows of (process row, stage, start, end, value)."""
+        out = []
+        rows = self._rows()
+        for row in range(self.rows):
+            written = int(rows[row, 0])
+            start = self._drained[row]
+            if written == start:
+                continue
+            if written - start > self.capacity:  # the writer lapped us: the oldest are gone
+                self.dropped += written - start - self.capacity
+                start = written - self.capacity
+            idx = np.arange(start, written) % self.capacity
+            recs = rows[row, 1:].reshape(self.capacity, _FIELDS)[idx].copy()
+            lapped = int(rows[row, 0]) - self.capacity  # records overwritten while we copied
+            if lapped > start:
+                keep = np.arange(start, written) >= lapped
+                self.dropped += int((~keep).sum())
+                recs = recs[keep]
+            self._drained[row] = written
+            out.append(np.column_stack([np.full(len(recs), row, dtype=np.int64), recs]))
+        return np.concatenate(out) if out else np.empty((0, 5), dtype=np.int64)
+
+    def __getstate__(self):
+        # Shared with workers as they start (fork or spawn); any other pickle gets a fresh log.
+        shared = multiprocessing.context.get_spawning_popen() is not None
+        return {"rows": self.rows, "capacity": self.capacity,
+                "arrays": (self._array, self._io) if shared else None}
+
+    def __setstate__(self, state):
+        self.__init__(state["rows"], state["capacity"])
+        if state["arrays"] is not None:
+            self._array, self._io = state["arrays"]
+
+
+def activate(log: SpanLog) -> int:
+    """Make ``log`` this process's span log; returns the row this process writes."""
+    global _active, _active_pid
+    pid = os.getpid()
+    if _active is None or _active[0] is not log or _active_pid != pid:
+        info = torch.utils.data.get_worker_info()
+        row = 0 if info is None else 1 + info.id % (log.rows - 1)
+        _active, _active_pid = (log, row), pid
+        if row:  # the main process's reads are published by the session
+            log.note_reads(row, first=True)
+    return _active[1]
+
+
+def deactivate(log: SpanLog) -> None:
+    global _active
+    if _active is not None and _active[0] is log:
+        _active = None
+
+
+class _Stage:
+    __slots__ = ("code", "start", "bytes")
+
+    def __init__(self, code: int):
+        self.code, self.start, self.bytes = code, 0, 0
+
+    def __enter__(self):
+        self.start = time.monotonic_ns()
+        return self
+
+    def __exit__(self, *exc):
+        if _active is not None and _active_pid == os.getpid():
+            _active[0].write(_active[1], self.code, self.start, time.monotonic_ns(), self.bytes)
+        return False
+
+
+class _NoStage:
+    __slots__ = ("bytes",)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_STAGE = _NoStage()
+
+
+def stage(name: str):
+    """``with stage("decode"): ...`` records how long the block took, in whatever process runs
+    it, when a telemetry session watches the loader; otherwise it does nothing. Set ``.bytes``
+    on the returned object to record bytes (for "read")."""
+    code = _CODE.get(name)
+    if code is None:
+        raise ValueError(f"unknown stage {name!r}; use one of {STAGES[1:4]}")
+    if _active is None:
+        _NO_STAGE.bytes = 0
+        return _NO_STAGE
+    return _Stage(code)
+
+
+def _timed(log: SpanLog, code: int, fn, *args):
+    row = activate(log)
+    start = time.monotonic_ns()
+    out = fn(*args)
+    value = len(args[0]) if code == _CODE["collate"] and hasattr(args[0], "__len__") else 0
+    log.write(row, code, start, time.monotonic_ns(), value)
+    if code == _CODE["collate"] and row:
+        log.note_reads(row)  # once a batch: what the worker has read so far
+    return out
+
+
+class TimedDataset(torch.utils.data.Dataset):
+    """A map-style dataset that records each __getitem__ as a "sample" span (unless the dataset
+    marks its own samples) and makes stage() marks inside it count."""
+
+    def __init__(self, dataset, log: SpanLog):
+        self.dataset, self.log = dataset, log
+        self._marks_samples = getattr(dataset, "marks_sample_stage", False)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        if self._marks_samples:
+            activate(self.log)
+            return self.dataset[index]
+        return _timed(self.log, _CODE["sample"], self.dataset.__getitem__, index)
+
+    def __getattr__(self, name):  # the user's dataset attributes stay reachable
+        if name in ("dataset", "log", "_marks_samples"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class TimedBatchDataset(TimedDataset):
+    """For datasets with __getitems__ (torch's fetcher calls it for a whole batch)."""
+
+    def __getitems__(self, indices):
+        activate(self.log)
+        return self.dataset.__getitems__(indices)
+
+
+class TimedIterableDataset(torch.utils.data.IterableDataset):
+    """An iterable dataset whose every next() is recorded as a "sample" span."""
+
+    def __init__(self, dataset, log: SpanLog):
+        self.dataset, self.log = dataset, log
+
+    def __iter__(self):
+        row = activate(self.log)
+        it = iter(self.dataset)
+        while True:
+            start = time.monotonic_ns()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.log.write(row, _CODE["sample"], start, time.monotonic_ns())
+            yield item
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getattr__(self, name):
+        if name in ("dataset", "log"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class TimedCollate:
+    """A collate function recorded as one "collate" span per batch."""
+
+    def __init__(self, fn, log: SpanLog):
+        self.fn, self.log = fn, log
+
+    def __call__(self, batch):
+        return _timed(self.log, _CODE["collate"], self.fn, batch)
+
+    def rewrap(self, fn) -> "TimedCollate":
+        """The same timing around another function (fastmm's workers swap in their own
+        collation for torch's default_collate)."""
+        return TimedCollate(fn, self.log)
+
+
+def wrap_dataset(dataset, log: SpanLog):
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return TimedIterableDataset(dataset, log)
+    if hasattr(dataset, "__getitems__"):
+        return TimedBatchDataset(dataset, log)
+    return TimedDataset(dataset, log)
+
+
+def stage_code(name: str) -> int:
+    return _CODE[name]
+
+
+_SELF = None
+
+
+def _read_chars() -> int:
+    global _SELF
+    import psutil
+
+    if _SELF is None or _SELF.pid != os.getpid():
+        _SELF = psutil.Process()
+    try:
+        return _SELF.io_counters().read_chars
+    except psutil.Error:
+        return 0

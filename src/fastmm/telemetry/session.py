@@ -1,0 +1,392 @@
+"""A telemetry session: watch a DataLoader (torch's, untouched, or fastmm's), mark the loop's
+steps, and get the same metrics for either.
+
+    tm = fastmm.telemetry.Telemetry()
+    for batch in tm.watch(loader):                  # queue wait, step time, first batch ...
+        with tm.h2d(batch):                         # host-to-device copy (CUDA events on GPU)
+            batch = batch.to("cuda", non_blocking=True)
+        with tm.compute():                          # the model's step
+            ...
+    print(tm.table()); tm.export("telemetry/")      # summary.json, timeseries.jsonl, trace.json
+
+Watching swaps the loader's dataset and collate_fn for timing wrappers (the loader object is
+otherwise untouched; ``unwatch()`` puts them back). Per-sample stage spans travel through shared
+memory (recorder.py); a sampler thread reads processes and host (sampler.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from . import export
+from .metrics import DISTRIBUTIONS, METRICS, distribution
+from .recorder import STAGES, SpanLog, TimedCollate, deactivate, wrap_dataset
+from .sampler import Sampler
+
+
+class Telemetry:
+    """One session of measurements over one loader (any number of epochs).
+
+    ``trace``: keep every span for a Chrome/Perfetto trace (export writes trace.json).
+    ``interval_s``: how often processes and host are sampled; ``pss_interval_s``: how often
+    PSS/USS are (they cost the kernel a page-table walk per process)."""
+
+    def __init__(self, *, trace: bool = False, interval_s: float = 0.1,
+                 pss_interval_s: float = 1.0):
+        self.trace = trace
+        self.interval_s, self.pss_interval_s = interval_s, pss_interval_s
+        self.log = SpanLog()
+        self.loader = None
+        self._restore = None
+        self._sampler: Sampler | None = None  # runs while an epoch does
+        self._series: list[dict] = []
+        self._sampler_cpu_s = 0.0
+        self._loop_tid = threading.get_native_id()  # the thread that iterates the loader
+        self._iterator = None
+        self._t0_ns = time.monotonic_ns()
+        self._spans: list = []  # drained worker/main spans (numpy blocks)
+        self._loop: dict[str, list[float]] = {k: [] for k in (
+            "queue_wait_s", "step_s", "first_batch_s", "epoch_start_s", "h2d_s")}
+        self._loop_events: list[tuple[str, int, int]] = []  # (name, start ns, end ns) for trace
+        self._gpu_pending: list[tuple[str, int, object, object]] = []  # name, start ns, events
+        self._gpu: list[tuple[str, int, float]] = []  # (name, host start ns, GPU seconds)
+        self._h2d_bytes = 0
+        self._samples = self._batches = self._failed = self._restarts = 0
+        self._wall_s = 0.0
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def watch(self, loader, *, _iterate=None) -> "Watched":
+        """Start measuring ``loader``; iterate the returned object instead of the loader.
+        (``_iterate``: how to start an epoch without coming back here; fastmm.DataLoader's
+        own FASTMM_TELEMETRY path passes torch's __iter__.)"""
+        if self.loader is not None and self.loader is not loader:
+            raise ValueError("a Telemetry session watches one loader; start another session")
+        if self.loader is None:
+            if getattr(loader, "_iterator", None) is not None:  # persistent workers started
+                loader._iterator._shutdown_workers()       # without the wrappers: restart them
+                loader._iterator = None
+            dataset, collate_fn = loader.dataset, loader.collate_fn
+            object.__setattr__(loader, "dataset", wrap_dataset(dataset, self.log))
+            loader.collate_fn = TimedCollate(collate_fn, self.log)
+            self._restore = (dataset, collate_fn)
+            self.loader = loader
+            self._note_loop_reads(first=True)
+        return Watched(self, loader, _iterate or (lambda: iter(loader)))
+
+    def unwatch(self) -> None:
+        """Put the loader's own dataset and collate_fn back and stop sampling."""
+        self._stop_sampler()
+        if self.loader is not None and self._restore is not None:
+            object.__setattr__(self.loader, "dataset", self._restore[0])
+            self.loader.collate_fn = self._restore[1]
+            self._restore = None
+        deactivate(self.log)
+
+    def _workers(self) -> list[int]:
+        workers = getattr(self._iterator, "_workers", None) or []
+        return [w.pid for w in workers if w.pid is not None]
+
+    def _start_sampler(self) -> None:
+        if self._sampler is None:
+            gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+            self._sampler = Sampler(self._workers, self.interval_s, self.pss_interval_s, gpu,
+                                    self._series)
+            self._sampler.start()
+
+    def _stop_sampler(self) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler_cpu_s += self._sampler.cpu_s
+            self._sampler = None
+        self._note_loop_reads()
+        self._drain()
+
+    def _note_loop_reads(self, first: bool = False) -> None:
+        self.log.note_reads(0, first, _thread_read_chars(self._loop_tid))
+
+    def _drain(self) -> None:
+        block = self.log.drain()
+        if len(block):
+            self._spans.append(block)
+
+    def _epoch(self, loader, iterate):
+        """The loop's view of one epoch: times every next() and the gaps between them."""
+        if threading.get_native_id() != self._loop_tid:
+            self._loop_tid = threading.get_native_id()
+            self._note_loop_reads(first=True)
+        self._start_sampler()
+        t_iter = time.monotonic_ns()
+        it = self._iterator = iterate()
+        t_started = time.monotonic_ns()
+        self._loop["epoch_start_s"].append((t_started - t_iter) / 1e9)
+        pids = self._workers()
+        last = None
+        try:
+            while True:
+                t0 = time.monotonic_ns()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except Exception:
+                    self._failed += 1
+                    raise
+                t1 = time.monotonic_ns()
+                self._loop["queue_wait_s"].append((t1 - t0) / 1e9)
+                if self.trace:
+                    self._loop_events.append(("wait", t0, t1))
+                if last is None:
+                    self._loop["first_batch_s"].append((t1 - t_iter) / 1e9)
+                else:
+                    self._loop["step_s"].append((t1 - last) / 1e9)
+                last = t1
+                self._batches += 1
+                self._samples += _batch_len(batch, loader)
+                now_pids = self._workers()
+                self._restarts += sum(a != b for a, b in zip(pids, now_pids))
+                pids = now_pids
+                if self._batches % 64 == 0:
+                    self._drain()
+                yield batch
+        finally:
+            self._wall_s += (time.monotonic_ns() - t_iter) / 1e9
+            self._stop_sampler()
+
+    # -- the loop's own marks ----------------------------------------------------------------
+
+    def h2d(self, batch=None):
+        """``with tm.h2d(batch):`` times a host-to-device copy; ``batch`` gives its bytes."""
+        self._h2d_bytes += _nbytes(batch)
+        return _Mark(self, "h2d")
+
+    def compute(self):
+        """``with tm.compute():`` marks the model's step (GPU time through CUDA events)."""
+        return _Mark(self, "compute")
+
+    # -- results -----------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """Every metric of METRICS (None where nothing measured it), with the loader's name."""
+        self._drain()
+        spans = _concat(self._spans)
+        stage_s = {name: spans[spans[:, 1] == i] for i, name in enumerate(STAGES)}
+        m: dict[str, object] = {k: None for k in METRICS}
+        for name in ("sample", "read", "decode", "augment", "collate"):
+            durations = (stage_s[name][:, 3] - stage_s[name][:, 2]) / 1e9
+            m[f"{name}_s"] = distribution(durations)
+        for name, values in self._loop.items():
+            m[name] = distribution(values)
+        workers = getattr(self.loader, "num_workers", 0) if self.loader is not None else 0
+        busy_s = (_total(stage_s["sample"]) + _total(stage_s["collate"])) / max(1, workers)
+        if not workers:
+            busy_s = sum(self._loop["queue_wait_s"])
+        if busy_s > 0:
+            m["samples_per_s"] = self._samples / busy_s
+            m["batches_per_s"] = self._batches / busy_s
+        if self._wall_s > 0:
+            m["end_to_end_samples_per_s"] = self._samples / self._wall_s
+        m["read_bytes"] = self.log.read_bytes()
+        if self._wall_s > 0:
+            m["storage_read_bytes_per_s"] = m["read_bytes"] / self._wall_s
+        self._resolve_gpu()
+        gpu_busy_s = sum(seconds for name, _, seconds in self._gpu if name == "compute")
+        m["h2d_s"] = distribution(self._loop["h2d_s"])
+        h2d_total = sum(self._loop["h2d_s"])
+        if h2d_total > 0 and self._h2d_bytes:
+            m["h2d_bytes_per_s"] = self._h2d_bytes / h2d_total
+        m.update(_sampled(self._series, self._wall_s))
+        if gpu_busy_s and self._wall_s:
+            m["gpu_idle_fraction"] = max(0.0, 1.0 - gpu_busy_s / self._wall_s)
+        m["worker_restarts"] = self._restarts
+        m["samples_failed"] = self._failed
+        dataset = self._restore[0] if self._restore else getattr(self.loader, "dataset", None)
+        skipped = getattr(dataset, "skipped", None)
+        m["samples_skipped"] = sum(skipped.values()) if isinstance(skipped, dict) else 0
+        m["spans_dropped"] = self.log.dropped
+        loader = type(self.loader) if self.loader is not None else None
+        return {
+            "loader": f"{loader.__module__}.{loader.__qualname__}" if loader else None,
+            "num_workers": workers,
+            "batch_size": getattr(self.loader, "batch_size", None),
+            "samples": self._samples, "batches": self._batches, "wall_s": self._wall_s,
+            "sampler_cpu_s": self._sampler_cpu_s,
+            "metrics": m,
+        }
+
+    def table(self) -> str:
+        return export.table(self.summary())
+
+    def export(self, directory: str) -> dict[str, str]:
+        """Write summary.json, timeseries.jsonl and (with trace=True) trace.json."""
+        summary = self.summary()
+        spans = _concat(self._spans) if self.trace else None
+        return export.write(directory, summary, self._series, spans, self._loop_events, self._gpu,
+                            self._t0_ns)
+
+    def _resolve_gpu(self) -> None:
+        """CUDA event pairs -> seconds (waits for them), once each."""
+        for name, start, ev0, ev1 in self._gpu_pending:
+            seconds = _event_s(ev0, ev1)
+            self._gpu.append((name, start, seconds))
+            if name == "h2d":
+                self._loop["h2d_s"].append(seconds)
+        self._gpu_pending = []
+
+    def close(self) -> None:
+        self.unwatch()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Watched:
+    """The loader, seen through a telemetry session: iterate it as you would the loader."""
+
+    def __init__(self, telemetry: Telemetry, loader, iterate):
+        self.telemetry, self.loader, self._iterate = telemetry, loader, iterate
+
+    def __iter__(self):
+        return self.telemetry._epoch(self.loader, self._iterate)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class _Mark:
+    """Times a block of the loop: CUDA events when CUDA is in use, else wall time."""
+
+    def __init__(self, telemetry: Telemetry, name: str):
+        self.telemetry, self.name = telemetry, name
+
+    def __enter__(self):
+        self.start = time.monotonic_ns()
+        self.events = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        return self
+
+    def __exit__(self, *exc):
+        tm = self.telemetry
+        end = time.monotonic_ns()
+        if self.events is not None:
+            self.events[1].record()
+            tm._gpu_pending.append((self.name, self.start, *self.events))
+        elif self.name == "h2d":
+            tm._loop["h2d_s"].append((end - self.start) / 1e9)
+        if tm.trace:
+            tm._loop_events.append((self.name, self.start, end))
+        return False
+
+
+def _thread_read_chars(tid: int) -> int:
+    """Bytes one thread of this process has read (rchar in /proc/self/task/TID/io; psutil
+    has no per-thread I/O counters)."""
+    try:
+        with open(f"/proc/self/task/{tid}/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _event_s(ev0, ev1) -> float:
+    ev1.synchronize()
+    return ev0.elapsed_time(ev1) / 1e3
+
+
+def _concat(blocks):
+    import numpy as np
+
+    return np.concatenate(blocks) if blocks else np.empty((0, 5), dtype=np.int64)
+
+
+def _total(spans) -> float:
+    return float((spans[:, 3] - spans[:, 2]).sum()) / 1e9 if len(spans) else 0.0
+
+
+def _batch_len(batch, loader) -> int:
+    """Samples in a batch: the first dimension of its first tensor, else the batch size."""
+    batched = getattr(loader, "_auto_collation", True)
+    stack = [batch]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            return int(x.shape[0]) if x.dim() and batched else 1
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return (getattr(loader, "batch_size", None) or 1) if batched else 1
+
+
+def _nbytes(batch) -> int:
+    stack, total = [batch], 0
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.nbytes
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
+
+
+def _sampled(series: list[dict], wall_s: float) -> dict:
+    """Memory, CPU, host and GPU figures from the sampler's rows (row[...][0] is the main
+    process, the rest its workers)."""
+    main_pss, worker_rss, worker_pss, worker_uss, total_pss = [], [], [], [], []
+    main_cpu, worker_cpu, cpu, shm, gpu = [], [], [], [], []
+    host_peak = None
+    for row in series:
+        rss = row["rss_bytes"]
+        worker_rss += [v for v in rss[1:] if v is not None]
+        if "pss_bytes" in row:
+            pss, uss = row["pss_bytes"], row["uss_bytes"]
+            if pss[0] is not None:
+                main_pss.append(pss[0])
+            worker_pss += [v for v in pss[1:] if v is not None]
+            worker_uss += [v for v in uss[1:] if v is not None]
+            if all(v is not None for v in pss):
+                total_pss.append(sum(pss))
+        c = row["cpu_percent"]
+        if c[0] is not None:
+            main_cpu.append(c[0])
+        worker_cpu += [v for v in c[1:] if v is not None]
+        if all(v is not None for v in c):
+            cpu.append(sum(c))
+        shm.append(row["shm_bytes"])
+        host_peak = max(host_peak or 0, row["host_used_bytes"])
+        if row.get("gpu_util_percent") is not None:
+            gpu.append(row["gpu_util_percent"])
+    out = {
+        "main_pss_bytes": distribution(main_pss), "worker_rss_bytes": distribution(worker_rss),
+        "worker_pss_bytes": distribution(worker_pss), "worker_uss_bytes": distribution(worker_uss),
+        "total_pss_bytes": distribution(total_pss), "main_cpu_percent": distribution(main_cpu),
+        "worker_cpu_percent": distribution(worker_cpu), "cpu_percent": distribution(cpu),
+        "shm_bytes": distribution(shm), "host_used_peak_bytes": host_peak,
+        "gpu_util_percent": distribution(gpu),
+    }
+    if series and wall_s > 0:
+        out["net_bytes_per_s"] = series[-1]["net_recv_bytes"] / wall_s
+    if gpu:
+        out["gpu_idle_fraction"] = sum(1 for g in gpu if g == 0) / len(gpu)
+    return out
+
+
+assert set(DISTRIBUTIONS) <= set(METRICS)

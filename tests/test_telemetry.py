@@ -1,0 +1,248 @@
+"""Telemetry with known answers, for torch's DataLoader (untouched) and fastmm's, in one process
+and with workers: stage latencies from sleeps, memory a worker touches, queue wait vs step time,
+bytes read, identical metric names, a Chrome trace that loads, and FASTMM_TELEMETRY."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset
+
+import fastmm
+from fastmm.telemetry import METRICS, Telemetry, stage
+
+LOADERS = {"torch": TorchDataLoader, "fastmm": fastmm.DataLoader}
+
+
+@pytest.fixture(params=["torch", "fastmm"])
+def loader_cls(request):
+    return LOADERS[request.param]
+
+
+class Staged(Dataset):
+    """Each sample: read 4 ms, decode 8 ms, augment 2 ms (sleeps), marked as stages."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        with stage("read"):
+            time.sleep(0.004)
+        with stage("decode"):
+            time.sleep(0.008)
+        with stage("augment"):
+            time.sleep(0.002)
+        return torch.full((4,), i)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stage_latencies_are_the_sleeps(loader_cls, workers):
+    tm = Telemetry()
+    batches = [b for b in tm.watch(loader_cls(Staged(), batch_size=4, num_workers=workers))]
+    assert torch.equal(torch.cat(batches), torch.arange(24).repeat_interleave(4).view(24, 4))
+    m = tm.summary()["metrics"]
+    for name, expected in (("read_s", 0.004), ("decode_s", 0.008), ("augment_s", 0.002),
+                           ("sample_s", 0.014)):
+        assert m[name]["count"] == 24
+        assert expected <= m[name]["p50"] <= expected + 0.0015, (name, m[name])
+    assert m["collate_s"]["count"] == 6 and m["collate_s"]["p50"] < 0.005
+    assert m["first_batch_s"]["count"] == 1 and m["step_s"]["count"] == 5
+    assert m["spans_dropped"] == 0 and m["samples_failed"] == 0 and m["worker_restarts"] == 0
+
+
+class Fast(Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.full((16,), i)
+
+
+class Slow(Fast):
+    def __getitem__(self, i):
+        time.sleep(0.03)
+        return super().__getitem__(i)
+
+
+def test_busy_loop_waits_little_and_steps_at_its_compute_time(loader_cls):
+    tm = Telemetry()
+    for _ in tm.watch(loader_cls(Fast(), batch_size=4, num_workers=2)):
+        time.sleep(0.02)  # the model's step, data ready meanwhile
+    m = tm.summary()["metrics"]
+    assert m["queue_wait_s"]["p50"] < 0.002
+    assert 0.02 <= m["step_s"]["p50"] <= 0.024
+
+
+def test_slow_dataset_shows_as_queue_wait(loader_cls):
+    tm = Telemetry()
+    for _ in tm.watch(loader_cls(Slow(), batch_size=1, num_workers=1)):
+        pass
+    m = tm.summary()["metrics"]
+    assert m["queue_wait_s"]["p50"] >= 0.025
+    assert 0.029 <= m["step_s"]["p50"] <= 0.036
+    assert 0.029 <= m["sample_s"]["p50"] <= 0.033
+    assert m["samples_per_s"] == pytest.approx(1 / m["sample_s"]["mean"], rel=0.1)
+
+
+class Allocates(Dataset):
+    """From the 8th sample on, the worker holds 256 MiB it has touched."""
+
+    MIB = 256
+
+    def __init__(self):
+        self.held = None
+        self.calls = 0
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if self.calls == 8:
+            self.held = np.ones(self.MIB << 20, dtype=np.uint8)
+        time.sleep(0.06)
+        return i
+
+
+def test_worker_memory_is_the_memory_it_touched(loader_cls):
+    tm = Telemetry(interval_s=0.05, pss_interval_s=0.05)
+    for _ in tm.watch(loader_cls(Allocates(), batch_size=1, num_workers=1)):
+        pass
+    m = tm.summary()["metrics"]
+    for name in ("worker_uss_bytes", "worker_pss_bytes", "worker_rss_bytes"):
+        column = name.replace("worker_", "")
+        seen = [r[column][1] for r in tm._series
+                if len(r["pids"]) == 2 and r.get(column) and r[column][1] is not None]
+        assert m[name]["max"] == max(seen)
+        # before the 8th sample (the first third of the run), and after
+        grown = max(seen) - float(np.median(seen[: len(seen) // 3]))
+        assert (Allocates.MIB - 8) << 20 <= grown, (name, grown)
+        if name != "worker_rss_bytes":  # RSS also grows as a new worker touches what it shares
+            assert grown <= (Allocates.MIB + 24) << 20, (name, grown)
+    assert m["total_pss_bytes"]["max"] >= m["main_pss_bytes"]["max"] + (Allocates.MIB << 20)
+
+
+class Reads(Dataset):
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        with open(self.path, "rb") as f:
+            return len(f.read())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bytes_read_show_in_storage_figures(loader_cls, workers, tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(1 << 20))
+    tm = Telemetry()
+    sizes = [int(b.sum()) for b in tm.watch(loader_cls(Reads(str(path)), batch_size=3,
+                                                       num_workers=workers))]
+    assert sum(sizes) == 12 << 20
+    m = tm.summary()["metrics"]
+    assert 12 << 20 <= m["read_bytes"] <= (12 << 20) + (1 << 20), m["read_bytes"]
+    assert m["storage_read_bytes_per_s"] == pytest.approx(m["read_bytes"] / tm._wall_s)
+
+
+def test_same_names_and_units_for_both_loaders(tmp_path):
+    summaries = {}
+    for name, cls in LOADERS.items():
+        tm = Telemetry(trace=True)
+        for batch in tm.watch(cls(Staged(), batch_size=6, num_workers=2)):
+            with tm.h2d(batch):
+                batch = batch.clone()
+            with tm.compute():
+                batch.sum()
+        summaries[name] = tm.summary()
+        table = tm.table()
+        assert all(metric in table for metric in METRICS)
+        tm.export(str(tmp_path / name))
+    keys = [set(s["metrics"]) for s in summaries.values()]
+    assert keys[0] == keys[1] == set(METRICS)
+    for metric in METRICS:  # measured for one, measured for the other (GPU ones for neither)
+        assert (summaries["torch"]["metrics"][metric] is None) == (
+            summaries["fastmm"]["metrics"][metric] is None), metric
+    m = summaries["fastmm"]["metrics"]
+    assert m["gpu_util_percent"] is None and m["gpu_idle_fraction"] is None  # no GPU here
+    assert m["h2d_s"]["count"] == 4 and m["h2d_bytes_per_s"] > 0
+    assert summaries["torch"]["loader"] == "torch.utils.data.dataloader.DataLoader"
+    assert summaries["fastmm"]["loader"] == "fastmm.loader.DataLoader"
+
+
+def test_chrome_trace_has_a_track_per_worker_and_every_span(loader_cls, tmp_path):
+    tm = Telemetry(trace=True)
+    for _ in tm.watch(loader_cls(Staged(), batch_size=4, num_workers=2)):
+        pass
+    paths = tm.export(str(tmp_path))
+    trace = json.load(open(paths["trace"]))
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {0: "main loop", 1: "worker 0", 2: "worker 1"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for e in spans:
+        assert e["ts"] >= 0 and e["dur"] >= 0 and e["pid"] == 1
+    by_name = {}
+    for e in spans:
+        by_name.setdefault(e["name"], []).append(e)
+    assert len(by_name["sample"]) == len(by_name["decode"]) == 24
+    assert {e["tid"] for e in by_name["sample"]} == {1, 2}
+    assert len(by_name["wait"]) == 6 and {e["tid"] for e in by_name["wait"]} == {0}
+    durations = [e["dur"] for e in by_name["decode"]]  # microseconds
+    assert min(durations) >= 7_900 and 7_900 <= float(np.median(durations)) <= 9_500
+    summary = json.load(open(paths["summary"]))
+    assert summary["samples"] == 24 and set(summary["metrics"]) == set(METRICS)
+    rows = [json.loads(line) for line in open(paths["timeseries"])]
+    assert rows and all(len(r["rss_bytes"]) == len(r["pids"]) for r in rows)
+
+
+def test_fastmm_turns_it_on_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTMM_TELEMETRY", "trace")
+    monkeypatch.setenv("FASTMM_TELEMETRY_DIR", str(tmp_path))
+    loader = fastmm.DataLoader(Staged(), batch_size=4, num_workers=2)
+    for epoch in range(2):
+        assert len(list(loader)) == 6
+        summary = json.load(open(tmp_path / "summary.json"))
+        assert summary["samples"] == 24 * (epoch + 1)
+        assert summary["metrics"]["first_batch_s"]["count"] == epoch + 1
+    assert (tmp_path / "trace.json").exists()
+    monkeypatch.setenv("FASTMM_TELEMETRY", "loud")
+    with pytest.raises(fastmm.ConfigError, match="FASTMM_TELEMETRY='loud'"):
+        iter(loader)
+
+
+def test_unwatch_gives_the_loader_back(loader_cls):
+    dataset = Staged()
+    loader = loader_cls(dataset, batch_size=4, num_workers=0)
+    collate = loader.collate_fn
+    tm = Telemetry()
+    watched = tm.watch(loader)
+    assert len(watched) == 6 and watched.batch_size == 4
+    assert loader.dataset is not dataset and loader.dataset.dataset is dataset
+    tm.unwatch()
+    assert loader.dataset is dataset and loader.collate_fn is collate
+
+
+def test_multimodal_dataset_marks_its_stages(tmp_path):
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    root = tmp_path / "corpus"
+    write_corpus(CorpusSpec(num_images=12, num_videos=0, seed=3), str(root))
+    ds = fastmm.MultimodalDataset(str(root / "posix"), decoder="pil", size=32,
+                                  transform=lambda item: item["image"])
+    tm = Telemetry(trace=True)
+    for _ in tm.watch(fastmm.DataLoader(ds, batch_size=4, num_workers=2)):
+        pass
+    m = tm.summary()["metrics"]
+    for name in ("sample_s", "read_s", "decode_s", "augment_s"):
+        assert m[name]["count"] == 12, name
+    assert m["decode_s"]["p50"] > m["augment_s"]["p50"]
+    assert m["sample_s"]["p50"] >= m["decode_s"]["p50"]
