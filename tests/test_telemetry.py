@@ -156,7 +156,7 @@ def test_bytes_read_show_in_storage_figures(loader_cls, workers, tmp_path):
 def test_same_names_and_units_for_both_loaders(tmp_path):
     summaries = {}
     for name, cls in LOADERS.items():
-        tm = Telemetry(trace=True)
+        tm = Telemetry(trace=True, interval_s=0.03, pss_interval_s=0.03)  # a short epoch
         for batch in tm.watch(cls(Staged(), batch_size=6, num_workers=2)):
             with tm.h2d(batch):
                 batch = batch.clone()

@@ -102,6 +102,8 @@ class Sampler:
             if proc is not None:
                 try:
                     with proc.oneshot():
+                        if proc.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped
+                            raise psutil.ZombieProcess(pid)
                         rss = proc.memory_info().rss
                         times = proc.cpu_times()
                         used = times.user + times.system

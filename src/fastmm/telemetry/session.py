@@ -34,8 +34,8 @@ class Telemetry:
     ``interval_s``: how often processes and host are sampled; ``pss_interval_s``: how often
     PSS/USS are (they cost the kernel a page-table walk per process)."""
 
-    def __init__(self, *, trace: bool = False, interval_s: float = 0.1,
-                 pss_interval_s: float = 1.0):
+    def __init__(self, *, trace: bool = False, interval_s: float = 0.2,
+                 pss_interval_s: float = 5.0):
         self.trace = trace
         self.interval_s, self.pss_interval_s = interval_s, pss_interval_s
         self.log = SpanLog()
