@@ -246,3 +246,38 @@ def test_multimodal_dataset_marks_its_stages(tmp_path):
         assert m[name]["count"] == 12, name
     assert m["decode_s"]["p50"] > m["augment_s"]["p50"]
     assert m["sample_s"]["p50"] >= m["decode_s"]["p50"]
+
+
+def test_nvml_without_a_gpu_leaves_gpu_figures_empty():
+    from fastmm.telemetry.sampler import _Nvml
+
+    nvml = _Nvml(0)
+    if not torch.cuda.is_available():
+        assert nvml.util_percent() is None  # no driver: no figure, no error
+    elif nvml.handle is not None:
+        assert 0 <= nvml.util_percent() <= 100
+
+
+def test_gpu_marks_time_copies_and_compute_with_cuda_events():
+    if not torch.cuda.is_available():
+        if os.environ.get("FASTMM_REQUIRE_CUDA") == "1":
+            pytest.fail("FASTMM_REQUIRE_CUDA=1 but CUDA is not available")
+        pytest.skip("needs CUDA (FASTMM_REQUIRE_CUDA=1 makes this fail)")
+    torch.cuda.init()
+    weight = torch.randn(2048, 2048, device="cuda")
+    tm = Telemetry(trace=True, interval_s=0.05)
+    for batch in tm.watch(fastmm.DataLoader(Fast(), batch_size=4, num_workers=2,
+                                            pin_memory=True)):
+        with tm.h2d(batch):
+            batch = batch.to("cuda", non_blocking=True)
+        with tm.compute():
+            for _ in range(20):
+                weight @ weight
+    m = tm.summary()["metrics"]
+    assert m["h2d_s"]["count"] == 10 and m["h2d_bytes_per_s"] > 0
+    assert 0.0 <= m["gpu_idle_fraction"] < 1.0
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        return
+    assert m["gpu_util_percent"] is not None  # NVML, when nvidia-ml-py is installed
