@@ -23,7 +23,8 @@ ENV_KEYS = {
     "kernel", "versions", "fastmm_uses_cpp", "fastmm_transport", "cpu_model", "cpu_count_logical",
     "cpu_count_usable", "ram_total_bytes", "ram_available_bytes_at_start", "dev_shm", "slab_dir",
     "torch_num_threads", "multiprocessing_start_method", "loadavg_at_start", "git", "loadavg_at_end",
-    "fastmm_env",
+    "fastmm_env", "numa_nodes", "gpus", "storage", "network", "loader_config",
+    "training_code_git",
 }
 WINDOW_KEYS = {
     "phase", "rep", "order", "started_unix_s", "first_batch_s", "warm_batches", "batches",
@@ -88,7 +89,9 @@ def test_cli_writes_results_json(run):
     env = results["environment"]
     assert set(env) == ENV_KEYS
     assert env["argv"][1:] == argv
-    assert set(env["versions"]) == {"fastmm", "torch", "torchvision", "numpy", "pillow", "psutil"}
+    assert set(env["versions"]) == {
+        "fastmm", "torch", "torchvision", "torchcodec", "dali", "webdataset", "av", "numpy",
+        "pillow", "scikit_image", "psutil", "nvidia_ml_py", "cuda", "libjpeg_turbo", "ffmpeg"}
     assert set(env["git"]) == {"repo", "commit", "dirty", "changed_files"}
     assert set(env["dev_shm"]) == {"path", "total_bytes", "free_bytes"}
     assert isinstance(env["fastmm_uses_cpp"], bool)
@@ -328,3 +331,26 @@ def test_environment_command_carries_fastmm_settings(monkeypatch):
     assert record["command"] == "FASTMM_SLAB_MEMORY=lean fastmm-bench --quick"
     assert record["fastmm_env"] == {"FASTMM_SLAB_MEMORY": "lean"}
     assert record["fastmm_transport"]["slab_memory"] == "lean"
+
+
+def test_environment_records_storage_versions_and_topology(tmp_path):
+    import shutil
+
+    from fastmm.bench import env
+
+    record = env.capture(["fastmm-bench"], loader_config={"num_workers": 2}, paths=[str(tmp_path)])
+    shm = record["storage"]["/dev/shm"]
+    assert shm["mountpoint"] == "/dev/shm" and shm["fstype"] == "tmpfs"
+    data = record["storage"][str(tmp_path)]
+    assert data["mountpoint"] and str(tmp_path).startswith(data["mountpoint"].rstrip("/"))
+    assert data["free_bytes"] == shutil.disk_usage(tmp_path).free or data["free_bytes"] > 0
+    versions = record["versions"]
+    assert versions["torch"] == torch.__version__ and versions["pillow"]
+    if shutil.which("ffmpeg"):
+        assert versions["ffmpeg"].startswith("ffmpeg version")
+    assert record["numa_nodes"] and all(record["numa_nodes"].values())
+    assert record["loader_config"] == {"num_workers": 2}
+    assert "lo" in record["network"] and record["network"]["lo"]["up"]
+    assert record["gpus"]["devices"] == [] if not torch.cuda.is_available() else \
+        record["gpus"]["devices"][0]["memory_bytes"] > 0
+    assert record["training_code_git"]["repo"] is None or record["training_code_git"]["commit"]

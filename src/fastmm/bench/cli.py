@@ -555,7 +555,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    environment = env.capture([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    environment = env.capture(
+        [sys.argv[0], *(sys.argv[1:] if argv is None else argv)],
+        loader_config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))},
+        paths=[str(args.cache_dir)],
+    )
     _log(
         f"fastmm-bench: {environment['cpu_count_usable']} cores, load {os.getloadavg()[0]:.2f}, "
         f"fastmm C++ path: {environment['fastmm_uses_cpp']}, git {environment['git']['commit']}"
