@@ -115,3 +115,31 @@ def test_config_refuses_what_the_method_does_not_allow(tmp_path):
     path.write_text(CONFIG.replace('compute = "sleep"', 'compute = "quantum"'))
     with pytest.raises(ValueError, match="compute='quantum'"):
         experiment.Config.load(str(path))
+
+
+def test_html_report_renders_in_a_headless_browser(ran, tmp_path):
+    """Chromium loads the page: the plot decodes (its natural width is known only after) and
+    every table row is there."""
+    import os
+    import shutil
+    import subprocess
+
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome")
+                    if shutil.which(b)), None)
+    if browser is None:
+        if os.environ.get("FASTMM_REQUIRE_BROWSER") == "1":
+            pytest.fail("FASTMM_REQUIRE_BROWSER=1 but no chromium on PATH")
+        pytest.skip("no headless browser (apt-get install chromium; FASTMM_REQUIRE_BROWSER=1 "
+                    "makes this fail)")
+    out, result = ran
+    probe = tmp_path / "probe.html"
+    probe.write_text((out / "report.html").read_text().replace("</body>", (
+        "<script>window.addEventListener('load', () => {document.body.dataset.images = "
+        "[...document.images].map(i => i.naturalWidth).join(','); document.body.dataset.rows = "
+        "document.querySelectorAll('tr').length;});</script></body>")))
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          probe.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    images = re.search(r'data-images="([^"]*)"', dom).group(1).split(",")
+    assert images and all(int(w) > 100 for w in images), images
+    rows = int(re.search(r'data-rows="(\d+)"', dom).group(1))
+    assert rows == 1 + len(result["arms"])
