@@ -318,7 +318,8 @@ def run(cfg: Config, args) -> dict:
         out_arms[name] = entry
     baseline_summary = base[0]["telemetry"]
     return {
-        "environment": env.capture(sys.argv, loader_config=dict(cfg.loader),
+        "environment": env.capture(["python", "-m", __name__, *sys.argv[1:]],
+                                   loader_config=dict(cfg.loader),
                                    paths=[str(args.cache_dir)]),
         "config_file": args.config, "step": dataclasses.asdict(cfg.step),
         "global_batch": cfg.step.global_batch, "data": composition,
