@@ -184,6 +184,12 @@ def shm_info(path: str) -> dict:
     return {"path": path, "total_bytes": usage.total, "free_bytes": usage.free}
 
 
+def module_argv(spec, name: str) -> list[str]:
+    """The command line of a module run with ``python -m`` (its ``__name__`` is "__main__"
+    then; its ``__spec__`` knows the real name)."""
+    return ["python", "-m", spec.name if spec is not None else name, *sys.argv[1:]]
+
+
 def capture(argv: list[str] | None = None, *, loader_config: dict | None = None,
             paths=()) -> dict:
     """Everything a result depends on, before measuring: commands, commits (fastmm's and the

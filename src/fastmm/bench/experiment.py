@@ -318,7 +318,7 @@ def run(cfg: Config, args) -> dict:
         out_arms[name] = entry
     baseline_summary = base[0]["telemetry"]
     return {
-        "environment": env.capture(["python", "-m", __name__, *sys.argv[1:]],
+        "environment": env.capture(env.module_argv(__spec__, __name__),
                                    loader_config=dict(cfg.loader),
                                    paths=[str(args.cache_dir)]),
         "config_file": args.config, "step": dataclasses.asdict(cfg.step),
@@ -546,6 +546,7 @@ def main(argv=None) -> int:
         f.write(report_html(markdown, args.out))
     print(markdown)
     return 0
+
 
 
 if __name__ == "__main__":

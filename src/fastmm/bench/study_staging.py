@@ -1,0 +1,257 @@
+"""Study 1, NVMe staging: read the data in place from slow storage, or stage it to local disk
+first and read it there. The one factor is data locality; decode, loader, workers, batch, order
+and seeds are the same in both arms.
+
+Slow storage is a real HTTP server on 127.0.0.1 whose bandwidth (shared by all connections) and
+per-request latency are capped. Staging copies the tree with fastmm's staged source (verified,
+atomic) and its cost is charged; the page cache of the staged copy is dropped before the timed
+epoch (posix_fadvise DONTNEED), so "staged" means read from local disk, and a second, warm epoch
+is reported apart. Reported: staging cost, epoch time of each arm, and the break-even number of
+epochs, staging_s / (in_place_epoch_s - staged_epoch_s). Every epoch's batches are digested:
+both arms must deliver the same bytes. Run:
+``python -m fastmm.bench.study_staging --out DIR`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+import zlib
+
+import torch
+from torch.utils.data import Dataset
+
+from . import env, stats
+from .corpus import default_cache_dir
+from .mmcorpus import CorpusSpec
+from .pipelines import SIZE, ensure_mmcorpus
+
+
+class _Bucket:
+    """A token bucket shared by every connection: bytes per second, small bursts."""
+
+    def __init__(self, rate: float):
+        self.rate, self.lock = rate, threading.Lock()
+        self.next_free = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + nbytes / self.rate
+        time.sleep(max(0.0, self.next_free - now))
+
+
+class ThrottledServer:
+    """Serves ``root`` on 127.0.0.1 at ``bytes_per_s`` in total, ``latency_s`` per request."""
+
+    def __init__(self, root: str, bytes_per_s: float, latency_s: float):
+        bucket = _Bucket(bytes_per_s)
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def copyfile(self, source, outputfile):
+                time.sleep(latency_s)
+                while chunk := source.read(64 * 1024):
+                    bucket.take(len(chunk))
+                    outputfile.write(chunk)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(Handler, directory=root))
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ImageFiles(Dataset):
+    """Images read from ``base`` (a URL: in place; or a local directory: staged), decoded and
+    cropped the same way in both arms (fastmm's pil path, RandomResizedCrop + flip)."""
+
+    def __init__(self, base: str, paths: list[str]):
+        from ..dataset import ResizedCrop
+        from ..decode import get_decoder
+
+        self.base, self.paths = base, paths
+        self.decoder, self.crop = get_decoder("pil"), ResizedCrop(size=(SIZE, SIZE))
+
+    def __len__(self):
+        return len(self.paths)
+
+    def _read(self, rel: str) -> bytes:
+        if self.base.startswith("http"):
+            with urllib.request.urlopen(f"{self.base}/{urllib.parse.quote(rel)}", timeout=60) as r:
+                return r.read()
+        with open(os.path.join(self.base, rel), "rb") as f:
+            return f.read()
+
+    def __getitem__(self, i):
+        return self.decoder.decode_resized_crop(self._read(self.paths[i]), self.crop.plan)
+
+
+def drop_page_cache(root: str) -> None:
+    """Ask the kernel to drop the cached pages of every file under ``root`` (clean pages go;
+    no root privileges needed), so the next read comes from the disk."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def epoch(base: str, paths: list[str], args) -> dict:
+    """One epoch through fastmm.DataLoader: seconds, samples/s and the digest of its batches."""
+    import fastmm
+
+    torch.manual_seed(args.seed)
+    loader = fastmm.DataLoader(ImageFiles(base, paths), batch_size=args.batch,
+                               num_workers=args.num_workers)
+    digest, n = 0, 0
+    t0 = time.perf_counter()
+    for batch in loader:
+        digest = zlib.crc32(batch.numpy().tobytes(), digest)
+        n += len(batch)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "samples_per_s": n / seconds, "digest": f"{digest:08x}"}
+
+
+def run(args) -> dict:
+    from ..sources.staged import StagedSource, write_file_manifest
+
+    root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=0, seed=args.seed),
+                           args.cache_dir)
+    work = tempfile.mkdtemp(prefix="fastmm-staging-", dir=args.work_dir)
+    try:
+        remote = os.path.join(work, "remote")  # what the slow server publishes: the images
+        shutil.copytree(os.path.join(root, "posix", "image"), os.path.join(remote, "image"))
+        write_file_manifest(remote)
+        paths = sorted(os.path.relpath(os.path.join(d, f), remote).replace(os.sep, "/")
+                       for d, _, fs in os.walk(os.path.join(remote, "image")) for f in fs
+                       if f.endswith((".jpg", ".png")))  # not the captions and labels
+        total = sum(os.path.getsize(os.path.join(remote, p)) for p in paths)
+        server = ThrottledServer(remote, args.mb_per_s * 1e6, args.latency_ms / 1e3)
+        reps = []
+        try:
+            for r in range(args.reps):
+                in_place = epoch(server.url, paths, args)
+                stage_dir = os.path.join(work, f"stage-{r}")
+                t0 = time.perf_counter()
+                source = StagedSource(server.url, stage_dir, mode="before")
+                staging_s = time.perf_counter() - t0
+                drop_page_cache(stage_dir)
+                cold = epoch(stage_dir, paths, args)
+                warm = epoch(stage_dir, paths, args)
+                reps.append({"in_place": in_place, "staged_cold": cold, "staged_warm": warm,
+                             "staging_s": staging_s, "staging_cost": source.staging_cost})
+                shutil.rmtree(stage_dir)
+                print(f"[staging] rep {r + 1}/{args.reps}: in place {in_place['seconds']:.2f} s, "
+                      f"staging {staging_s:.2f} s, staged epoch {cold['seconds']:.2f} s cold / "
+                      f"{warm['seconds']:.2f} s warm", file=sys.stderr, flush=True)
+        finally:
+            server.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    inp = [x["in_place"]["seconds"] for x in reps]
+    cold = [x["staged_cold"]["seconds"] for x in reps]
+    staging = [x["staging_s"] for x in reps]
+    break_even = [s / (i - c) if i > c else None for s, i, c in zip(staging, inp, cold)]
+    digests = {x[k]["digest"] for x in reps for k in ("in_place", "staged_cold", "staged_warm")}
+    return {
+        "environment": env.capture(env.module_argv(__spec__, __name__),
+                                   loader_config={"batch_size": args.batch,
+                                                  "num_workers": args.num_workers},
+                                   paths=[args.work_dir or tempfile.gettempdir()]),
+        "slow_storage": {"kind": "HTTP on 127.0.0.1", "mb_per_s": args.mb_per_s,
+                         "latency_ms": args.latency_ms},
+        "data": {"images": len(paths), "bytes": total},
+        "in_place_epoch_s": stats.summarize(inp),
+        "staging_s": stats.summarize(staging),
+        "staged_epoch_s_cold": stats.summarize(cold),
+        "staged_epoch_s_warm": stats.summarize([x["staged_warm"]["seconds"] for x in reps]),
+        "staged_over_in_place_throughput": stats.summarize(stats.paired_ratios(inp, cold)),
+        "break_even_epochs": stats.summarize(break_even),
+        "correctness": {"check": "every epoch of both arms delivers byte-identical batches",
+                        "ok": len(digests) == 1},
+        "reps": reps,
+    }
+
+
+def report(result: dict) -> str:
+    s, d = result["slow_storage"], result["data"]
+
+    def f(x, unit="s", digits=2):
+        return (f"{x['median']:.{digits}f} {unit} [{x['ci95_low']:.{digits}f}-"
+                f"{x['ci95_high']:.{digits}f}]") if x else "-"
+
+    e = result["environment"]
+    return "\n".join([
+        "# Study 1: NVMe staging against reading in place", "",
+        f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
+        f"{e['cpu_count_usable']} cores; staging directory on "
+        + ", ".join(f"{p}: {m['device']} ({m['fstype']})" for p, m in e["storage"].items()), "",
+        f"Slow storage: {s['kind']}, {s['mb_per_s']} MB/s shared, {s['latency_ms']} ms per "
+        f"request. Data: {d['images']} images, {d['bytes'] / 1e6:.1f} MB. One factor: where the "
+        "bytes are read from; the same loader, decode, crops, order and seeds in both arms.", "",
+        "| figure | median [95% CI] |", "|---|---|",
+        f"| epoch reading in place | {f(result['in_place_epoch_s'])} |",
+        f"| staging (copy + verify) | {f(result['staging_s'])} |",
+        f"| epoch from the staged copy, page cache dropped | {f(result['staged_epoch_s_cold'])} |",
+        f"| epoch from the staged copy, warm | {f(result['staged_epoch_s_warm'])} |",
+        f"| per-epoch throughput, staged / in place | {f(result['staged_over_in_place_throughput'], 'x')} |",
+        f"| break-even epochs (staging / epoch time saved) | {f(result['break_even_epochs'], 'epochs')} |",
+        "", f"Correctness: {result['correctness']['check']}: "
+        f"{'ok' if result['correctness']['ok'] else 'FAILED'}.", "",
+        "Reading: staging pays for itself after the break-even number of epochs; below it, read in "
+        "place. The figure scales with the storage's bandwidth and latency (options "
+        "--mb-per-s, --latency-ms) and with how decode-bound the epoch is.",
+    ]) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_staging", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join("bench-out", "study-staging"))
+    p.add_argument("--images", type=int, default=400)
+    p.add_argument("--mb-per-s", type=float, default=20.0, help="slow storage bandwidth")
+    p.add_argument("--latency-ms", type=float, default=5.0, help="per request")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--work-dir", default=None, help="where the staging copies go (local disk)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 48 images, 5 short reps")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.images, args.mb_per_s = 48, 40.0
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "staging.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = report(result)
+    with open(os.path.join(args.out, "staging.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
