@@ -143,3 +143,15 @@ def test_html_report_renders_in_a_headless_browser(ran, tmp_path):
     assert images and all(int(w) > 100 for w in images), images
     rows = int(re.search(r'data-rows="(\d+)"', dom).group(1))
     assert rows == 1 + len(result["arms"])
+
+
+def test_suite_runs_its_parts_and_links_their_reports(tmp_path):
+    from fastmm.bench import suite
+
+    out = tmp_path / "out"
+    assert suite.main(["--quick", "--only", "staging", "--out", str(out),
+                       "--cache-dir", str(tmp_path / "cache")]) == 0
+    index = (out / "index.md").read_text()
+    assert "| staging | ok |" in index and "(staging/staging.md)" in index
+    assert (out / "staging" / "staging.md").exists()
+    assert "staging/staging.md" in (out / "index.html").read_text()

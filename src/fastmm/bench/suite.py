@@ -1,0 +1,103 @@
+"""The README's main job: every part of the bundled benchmark, short enough for a laptop, one
+index at the end. Parts (each its own process, its own environment record and report):
+
+1. ``loader``: torch's DataLoader and fastmm's side by side on the same Datasets (fastmm-bench:
+   transport-bound clips and a decode-bound JPEG Dataset; throughput, peak PSS, first batch);
+2. ``experiment``: the method on a training step (benchmarks/steps/image-224-small.toml):
+   environment, baseline profiled with the telemetry, single-factor A/B with CIs and
+   correctness, Markdown + HTML report;
+3. ``staging``: study 1, NVMe staging against reading in place from throttled storage.
+
+(Studies 2 and 3 are not built yet: see benchmarks/studies/README.md.) Run:
+``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a minute or two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import subprocess
+import sys
+import time
+
+from .corpus import default_cache_dir
+
+# the repository's benchmarks/ (a source checkout: scripts/setup installs fastmm editable)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+STEP = os.path.join(REPO, "benchmarks", "steps", "image-224-small.toml")
+
+
+def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]:
+    """(name, command, its report file) for every part."""
+    py = [sys.executable, "-m"]
+    loader = ["--quick"] if quick else ["--reps", "3", "--mem-reps", "1", "--min-seconds", "2",
+                                        "--num-images", "600", "--decode-batch-sizes", "32,256"]
+    staging = ["--quick"] if quick else []
+    return [
+        ("loader", py + ["fastmm.bench", "--out", os.path.join(out, "loader"),
+                         "--cache-dir", cache, *loader], os.path.join("loader", "summary.md")),
+        ("experiment", py + ["fastmm.bench.experiment", "--config", _step(quick, out),
+                             "--out", os.path.join(out, "experiment"), "--cache-dir", cache],
+         os.path.join("experiment", "report.html")),
+        ("staging", py + ["fastmm.bench.study_staging", "--out", os.path.join(out, "staging"),
+                          "--cache-dir", cache, *staging], os.path.join("staging", "staging.md")),
+    ]
+
+
+def _step(quick: bool, out: str) -> str:
+    """The step config; a smaller copy of it for --quick."""
+    if not quick:
+        return STEP
+    import tomllib
+
+    with open(STEP) as f:
+        text = f.read()
+    tomllib.loads(text)  # it must parse before numbers in it are edited
+    small = (text.replace("images = 400", "images = 64").replace("batches = 24", "batches = 4")
+             .replace("per_device_batch = 32", "per_device_batch = 8"))
+    path = os.path.join(out, "quick-step.toml")
+    with open(path, "w") as f:
+        f.write(small)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.suite", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--quick", action="store_true", help="smoke run of every part")
+    p.add_argument("--only", default="", help="comma-separated subset of loader,experiment,staging")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    chosen = [x for x in args.only.split(",") if x]
+    todo = [x for x in parts(args.out, args.cache_dir, args.quick) if not chosen or x[0] in chosen]
+    results, t0 = [], time.perf_counter()
+    for i, (name, cmd, report) in enumerate(todo, 1):
+        print(f"== [{i}/{len(todo)}] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        code = subprocess.run(cmd).returncode  # its progress goes straight to the terminal
+        results.append((name, code, time.perf_counter() - start, report))
+        print(f"== {name}: {'done' if code == 0 else f'FAILED (exit {code})'} in "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    lines = ["# fastmm bundled benchmark", "",
+             f"Total {time.perf_counter() - t0:.0f} s. Each part records its own environment "
+             "and command.", "", "| part | status | seconds | report |", "|---|---|---|---|"]
+    lines += [f"| {n} | {'ok' if c == 0 else f'failed ({c})'} | {s:.0f} | [{r}]({r}) |"
+              for n, c, s, r in results]
+    with open(os.path.join(args.out, "index.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "index.html"), "w") as f:
+        rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{'ok' if c == 0 else 'failed'}</td>"
+                       f"<td>{s:.0f}</td><td><a href='{html.escape(r)}'>{html.escape(r)}</a>"
+                       f"</td></tr>" for n, c, s, r in results)
+        f.write("<!DOCTYPE html><html><head><meta charset='utf-8'><title>fastmm benchmark"
+                f"</title></head><body><h1>fastmm bundled benchmark</h1><table>{rows}</table>"
+                "</body></html>")
+    print("\n".join(lines))
+    return 0 if all(c == 0 for _, c, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
