@@ -6,9 +6,12 @@ index at the end. Parts (each its own process, its own environment record and re
 2. ``experiment``: the method on a training step (benchmarks/steps/image-224-small.toml):
    environment, baseline profiled with the telemetry, single-factor A/B with CIs and
    correctness, Markdown + HTML report;
-3. ``staging``: study 1, NVMe staging against reading in place from throttled storage.
+3. ``staging``: study 1, NVMe staging against reading in place from throttled storage;
+4. ``gpu-decode``: study 2, decode in the CPU workers or on the GPU next to a model step (its
+   GPU arms only where CUDA is).
 
-(Studies 2 and 3 are not built yet: see benchmarks/studies/README.md.) Run:
+(Study 3, sharded storage under torchrun, is not built yet: see benchmarks/studies/README.md.)
+Run:
 ``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a minute or two).
 """
 
@@ -42,6 +45,9 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
          os.path.join("experiment", "report.html")),
         ("staging", py + ["fastmm.bench.study_staging", "--out", os.path.join(out, "staging"),
                           "--cache-dir", cache, *staging], os.path.join("staging", "staging.md")),
+        ("gpu-decode", py + ["fastmm.bench.study_gpu_decode", "--out",
+                             os.path.join(out, "gpu-decode"), "--cache-dir", cache, *staging],
+         os.path.join("gpu-decode", "gpu_decode.md")),
     ]
 
 
@@ -68,7 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--cache-dir", default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run of every part")
-    p.add_argument("--only", default="", help="comma-separated subset of loader,experiment,staging")
+    p.add_argument("--only", default="",
+                   help="comma-separated subset of loader,experiment,staging,gpu-decode")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     chosen = [x for x in args.only.split(",") if x]

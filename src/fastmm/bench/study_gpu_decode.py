@@ -1,0 +1,231 @@
+"""Study 2, GPU decode placement: decode JPEGs in the CPU workers, or on the GPU (nvJPEG through
+torchvision, in the training process) where a synthetic model step runs too. The one factor is
+where decode (and the crop/resize after it) runs; corpus, crops (RandomResizedCrop(224) + flip,
+same draws), order, batch and loader are the same.
+
+Reported per arm: end-to-end samples/s, the model step's time against the model alone (its
+slowdown from sharing the device), the GPU idle fraction (CUDA events around the model step,
+through the telemetry), and the loop's wait for data. On a machine without CUDA the CPU arm runs
+with the model step stood in by the host waiting ("sleep", as for a GPU-bound step) and by a
+CPU matmul step that competes with decode for cores; the GPU arms are reported as not measured.
+Run: ``python -m fastmm.bench.study_gpu_decode --out DIR`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+from ..telemetry import Telemetry
+from . import env, stats
+from .corpus import default_cache_dir
+from .experiment import ModelStep
+from .mmcorpus import CorpusSpec
+from .pipelines import SIZE, _files, ensure_mmcorpus
+
+
+class Decoded(Dataset):
+    """CPU arm: the worker decodes, crops and resizes (torchvision backend, fast path)."""
+
+    def __init__(self, paths: list[str]):
+        from ..dataset import ResizedCrop
+        from ..decode import get_decoder
+
+        self.paths, self.crop = paths, ResizedCrop(size=(SIZE, SIZE))
+        self.decoder = get_decoder("torchvision", device="cpu")
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        with open(self.paths[i], "rb") as f:
+            return self.decoder.decode_resized_crop(f.read(), self.crop.plan, reduce=True)
+
+
+class Encoded(Dataset):
+    """GPU arm: the worker reads the bytes and draws the crop from the header (the same draws
+    as the CPU arm); decoding waits for the GPU."""
+
+    def __init__(self, paths: list[str]):
+        from ..dataset import ResizedCrop
+
+        self.paths, self.crop = paths, ResizedCrop(size=(SIZE, SIZE))
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        from ..decode.base import DecodeLimits, open_image_header
+
+        with open(self.paths[i], "rb") as f:
+            data = f.read()
+        with open_image_header(data, self.paths[i], DecodeLimits()) as im:
+            plan = self.crop.plan(*im.size)
+        plan_ints = torch.tensor([*plan[:6], int(plan.flip)])
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), plan_ints
+
+
+def _keep(batch):
+    return batch  # a list of (bytes tensor, plan) pairs: no stacking of ragged bytes
+
+
+def gpu_decode(batch, device: str) -> torch.Tensor:
+    """nvJPEG on the batch, then each image's crop and resize on the GPU, stacked."""
+    from torchvision import io as tvio
+
+    from ..decode.base import CropPlan, crop_resize
+
+    images = tvio.decode_jpeg([b for b, _ in batch], mode=tvio.ImageReadMode.RGB, device=device)
+    return torch.stack([crop_resize(img, CropPlan(*p[:6].tolist(), bool(p[6])))
+                        for img, (_, p) in zip(images, batch)])
+
+
+def run_arm(arm: str, compute: str, paths, args, order) -> dict:
+    import fastmm
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    step = ModelStep(compute, args.compute_ms)
+    torch.manual_seed(args.seed)
+    dataset = Decoded(paths) if arm == "cpu-decode" else Encoded(paths)
+    loader = fastmm.DataLoader(dataset, batch_size=args.batch, sampler=order,
+                               num_workers=args.num_workers,
+                               collate_fn=None if arm == "cpu-decode" else _keep,
+                               pin_memory=cuda and arm == "cpu-decode")
+    tm = Telemetry()
+    batches = iter(tm.watch(loader))
+    n, start = 0, None
+    try:
+        for k, batch in enumerate(batches):
+            if k == args.warmup_batches:
+                start, n = time.perf_counter(), 0
+            with tm.h2d(batch if arm == "cpu-decode" else None):
+                images = (batch.to(device, non_blocking=True) if arm == "cpu-decode"
+                          else gpu_decode(batch, device))
+            with tm.compute():
+                step()
+            n += len(images)
+        seconds = time.perf_counter() - start
+    finally:
+        batches.close()
+    m = tm.summary()["metrics"]
+    tm.close()
+    return {"samples_per_s": n / seconds, "gpu_idle_fraction": m["gpu_idle_fraction"],
+            "queue_wait_p50_s": (m["queue_wait_s"] or {}).get("p50"),
+            "step_s_p50": (m["step_s"] or {}).get("p50")}
+
+
+def model_alone(compute: str, args, reps: int = 20) -> float:
+    """Seconds per model step with nothing else running (the reference for the slowdown)."""
+    step = ModelStep(compute, args.compute_ms)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return stats.summarize(times)["median"]
+
+
+def run(args) -> dict:
+    root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=0, seed=args.seed),
+                           args.cache_dir)
+    paths = _files(root, ("jpg",))
+    cuda = torch.cuda.is_available()
+    computes = ["cuda"] if cuda else ["sleep", "cpu"]
+    arms = [("cpu-decode", c) for c in computes] + ([("gpu-decode", "cuda")] if cuda else [])
+    g = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(paths), generator=g).tolist()
+    order = order[: (args.warmup_batches + args.batches) * args.batch]
+    results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
+    for r in range(args.reps):
+        for arm, compute in arms:
+            fig = run_arm(arm, compute, paths, args, order)
+            results[f"{arm} / model {compute}"].append(fig)
+            print(f"[gpu-decode] rep {r + 1}/{args.reps} {arm} / model {compute}: "
+                  f"{fig['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
+    alone = {c: model_alone(c, args) for c in computes}
+    out_arms = {}
+    for name, figs in results.items():
+        compute = name.rsplit(" ", 1)[1]
+        out_arms[name] = {
+            "measured": True,
+            "samples_per_s": stats.summarize([f["samples_per_s"] for f in figs]),
+            "model_step_s_alone": alone[compute],
+            "loop_step_s": stats.summarize([f["step_s_p50"] for f in figs]),
+            "queue_wait_p50_s": stats.summarize([f["queue_wait_p50_s"] for f in figs]),
+            "gpu_idle_fraction": stats.summarize([f["gpu_idle_fraction"] for f in figs]),
+        }
+    if not cuda:
+        out_arms["gpu-decode / model cuda"] = {"measured": False,
+                                               "why": "no CUDA device on this machine"}
+    out_arms["gpu-decode (DALI mixed) / model cuda"] = {
+        "measured": False, "why": "DALI's GPU decoder is not in this study yet"}
+    return {"environment": env.capture(env.module_argv(__spec__, __name__),
+                                       loader_config={"batch_size": args.batch,
+                                                      "num_workers": args.num_workers},
+                                       paths=[args.cache_dir]),
+            "images": len(paths), "batch": args.batch, "compute_ms": args.compute_ms,
+            "arms": out_arms}
+
+
+def report(result: dict) -> str:
+    e = result["environment"]
+    gpus = ", ".join(d["name"] for d in e["gpus"]["devices"]) or "none"
+    lines = ["# Study 2: GPU decode placement", "",
+             f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
+             f"{e['cpu_count_usable']} cores; GPU: {gpus}.", "",
+             f"{result['images']} JPEGs, RandomResizedCrop({SIZE}) + flip, batch {result['batch']}"
+             f"; model step {result['compute_ms']} ms alone.", "",
+             "| arm | samples/s end to end | model step alone | loop step p50 | queue wait p50 | "
+             "GPU idle |", "|---|---|---|---|---|---|"]
+    for name, a in result["arms"].items():
+        if not a["measured"]:
+            lines.append(f"| {name} | not measured: {a['why']} | | | | |")
+            continue
+        s, q, st = a["samples_per_s"], a["queue_wait_p50_s"], a["loop_step_s"]
+        gi = a["gpu_idle_fraction"]
+        lines.append(f"| {name} | {s['median']:.1f} [{s['ci95_low']:.1f}-{s['ci95_high']:.1f}] | "
+                     f"{a['model_step_s_alone'] * 1e3:.1f} ms | {st['median'] * 1e3:.1f} ms | "
+                     f"{q['median'] * 1e3:.1f} ms | "
+                     f"{'-' if gi is None else format(gi['median'], '.0%')} |")
+    lines += ["", "The model step's slowdown from sharing is the loop step against the model "
+              "alone when the loop does not wait for data (queue wait near 0)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_gpu_decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join("bench-out", "study-gpu-decode"))
+    p.add_argument("--images", type=int, default=400)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--compute-ms", type=float, default=40.0)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup-batches", type=int, default=2)
+    p.add_argument("--batches", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--quick", action="store_true", help="smoke run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.images, args.batch, args.batches, args.warmup_batches = 64, 8, 3, 1
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_decode.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = report(result)
+    with open(os.path.join(args.out, "gpu_decode.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

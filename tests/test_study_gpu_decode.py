@@ -1,0 +1,52 @@
+"""Study 2 (GPU decode placement) on a tiny corpus: the CPU arms run with both model stand-ins,
+the GPU arms run on CUDA or say why they were not measured, and both arms draw the same crops."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("torchvision")
+
+from fastmm.bench import study_gpu_decode  # noqa: E402
+
+
+def test_gpu_decode_study_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    assert study_gpu_decode.main(["--quick", "--out", str(out), "--cache-dir",
+                                  str(tmp_path / "cache"), "--compute-ms", "10"]) == 0
+    result = json.loads((out / "gpu_decode.json").read_text())
+    arms = result["arms"]
+    measured = {k for k, a in arms.items() if a["measured"]}
+    if torch.cuda.is_available():
+        assert measured == {"cpu-decode / model cuda", "gpu-decode / model cuda"}
+    else:
+        assert measured == {"cpu-decode / model sleep", "cpu-decode / model cpu"}
+        assert "no CUDA" in arms["gpu-decode / model cuda"]["why"]
+        assert arms["cpu-decode / model sleep"]["model_step_s_alone"] == pytest.approx(0.010,
+                                                                                        abs=0.005)
+    for name in measured:
+        assert arms[name]["samples_per_s"]["n"] == 5 and arms[name]["samples_per_s"]["median"] > 0
+    text = (out / "gpu_decode.md").read_text()
+    assert "not measured" in text and "GPU idle" in text
+
+
+def test_both_placements_draw_the_same_crops(tmp_path):
+    """The GPU arm's worker plans the crop exactly as the CPU arm's decoder does."""
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+    from fastmm.bench.pipelines import _files
+
+    write_corpus(CorpusSpec(num_images=6, num_videos=0, seed=4), str(tmp_path / "c"))
+    paths = _files(str(tmp_path / "c"), ("jpg",))
+    for i in range(len(paths)):
+        torch.manual_seed(i)
+        cpu = study_gpu_decode.Decoded(paths)[i]
+        torch.manual_seed(i)
+        data, plan = study_gpu_decode.Encoded(paths)[i]
+        images = study_gpu_decode.gpu_decode([(data, plan)], "cpu") if not \
+            torch.cuda.is_available() else None
+        if images is not None:  # torchvision decodes on the CPU too: the same crop, same size
+            assert images.shape[1:] == cpu.shape
+            assert (images[0].float() - cpu.float()).abs().mean() < 3.0
