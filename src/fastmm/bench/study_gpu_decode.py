@@ -140,8 +140,10 @@ def run(args) -> dict:
     computes = ["cuda"] if cuda else ["sleep", "cpu"]
     arms = [("cpu-decode", c) for c in computes] + ([("gpu-decode", "cuda")] if cuda else [])
     g = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(paths), generator=g).tolist()
-    order = order[: (args.warmup_batches + args.batches) * args.batch]
+    need, order = (args.warmup_batches + args.batches) * args.batch, []
+    while len(order) < need:  # epochs of the same seeded permutation, as long as needed
+        order += torch.randperm(len(paths), generator=g).tolist()
+    order = order[:need]
     results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
     for r in range(args.reps):
         for arm, compute in arms:

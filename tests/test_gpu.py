@@ -1,0 +1,71 @@
+"""Checks that need CUDA (they skip elsewhere; FASTMM_REQUIRE_CUDA=1 turns a skip into a
+failure): page-locked slabs with pin_memory=True, nvJPEG batch decode, crops on the GPU.
+Run on a GPU machine with ``scripts/gpu-check``."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import fastmm
+
+if not torch.cuda.is_available():
+    if os.environ.get("FASTMM_REQUIRE_CUDA") == "1":
+        raise RuntimeError("FASTMM_REQUIRE_CUDA=1 but CUDA is not available")
+    pytest.skip("needs CUDA (FASTMM_REQUIRE_CUDA=1 makes this fail)", allow_module_level=True)
+
+
+class Frames(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.full((3, 224, 224), i % 251, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pinned_slabs_copy_to_the_gpu_without_staging(workers):
+    loader = fastmm.DataLoader(Frames(), batch_size=8, num_workers=workers, pin_memory=True)
+    for k, batch in enumerate(loader):
+        assert batch.is_pinned()  # the slab itself is host-registered: no pinned copy made
+        on_gpu = batch.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu(), batch)
+        assert int(on_gpu[0, 0, 0, 0]) == (8 * k) % 251
+
+
+def _jpeg(seed: int, size=(96, 128)) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    arr = (rng.random((*size, 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_nvjpeg_batch_matches_the_cpu_decoder():
+    from fastmm.decode import get_decoder
+
+    datas = [_jpeg(i) for i in range(6)]
+    gpu = get_decoder("torchvision", device="cuda").decode_jpeg_batch(datas)
+    cpu = [get_decoder("torchvision").decode_image(d) for d in datas]
+    for g, c in zip(gpu, cpu):
+        assert g.is_cuda and g.dtype == torch.uint8 and g.shape == c.shape
+        assert (g.cpu().int() - c.int()).abs().float().mean() < 2.0  # IDCTs differ slightly
+
+
+def test_crop_resize_on_the_gpu_matches_the_cpu():
+    from fastmm.decode.base import CropPlan, crop_resize
+
+    img = torch.randint(0, 256, (3, 120, 160), dtype=torch.uint8)
+    plan = CropPlan(10, 20, 90, 100, 56, 64, True)
+    cpu = crop_resize(img, plan)
+    gpu = crop_resize(img.cuda(), plan)
+    assert gpu.is_cuda and gpu.shape == cpu.shape
+    assert (gpu.cpu().int() - cpu.int()).abs().max() <= 1
