@@ -5,6 +5,7 @@ from torch.utils.data import get_worker_info
 from .config import ConfigError, TransportConfig
 from .dataset import MultimodalDataset, ResizedCrop
 from .decode import ClipSpec, DecodeError, DecodeLimitError, DecodeLimits
+from .distributed import DistributedSampler
 from .loader import DataLoader
 from .slabs import SharedMemoryError, uses_cpp
 from .sources import SourceError
@@ -18,6 +19,7 @@ __all__ = [
     "DecodeError",
     "DecodeLimitError",
     "DecodeLimits",
+    "DistributedSampler",
     "MultimodalDataset",
     "ResizedCrop",
     "SharedMemoryError",

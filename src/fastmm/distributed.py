@@ -1,0 +1,38 @@
+"""Samples split across the ranks of a distributed job without glue code.
+
+``DistributedSampler`` is torch's (same split, same padding rule, same seeded shuffle, so it is
+interchangeable with it), except that it finds rank and world size the way torchrun sets them
+(torch.distributed when initialised, else RANK / WORLD_SIZE) instead of requiring an initialised
+process group, and that each new pass over it reshuffles by itself (unless ``set_epoch`` is
+called, which then rules as in torch). Every rank gets ``ceil(N / world_size)`` samples: the
+shuffled order is padded by repeating its first samples (``drop_last=True``: the tail is
+dropped instead), so all ranks yield the same number of batches and no collective waits for a
+rank that ran out. Workers of one rank then share that rank's samples through the loader's
+batches, disjointly, as always.
+"""
+
+from __future__ import annotations
+
+import torch.utils.data
+
+from .config import DistConfig
+
+
+class DistributedSampler(torch.utils.data.DistributedSampler):
+    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        where = DistConfig.resolve(rank=rank, world_size=num_replicas)
+        super().__init__(dataset, num_replicas=where.world_size, rank=where.rank,
+                         shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._epoch_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fix the epoch (as in torch); from then on the sampler no longer advances by itself."""
+        self._epoch_set = True
+        super().set_epoch(epoch)
+
+    def __iter__(self):
+        indices = super().__iter__()  # drawn for self.epoch now
+        if not self._epoch_set:
+            self.epoch += 1  # the next pass reshuffles, the same way on every rank
+        return indices

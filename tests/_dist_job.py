@@ -1,0 +1,47 @@
+"""A real distributed job for tests/test_distributed.py, run under torchrun (gloo): each rank
+loads its share through fastmm.DataLoader + fastmm.DistributedSampler for two epochs, all-reduces
+every step, and writes the ids it saw."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+import fastmm
+
+N = 103  # not a multiple of 2 or 4: padding shows
+
+
+class Ids(Dataset):
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return torch.tensor(i)
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = fastmm.DistributedSampler(Ids(), seed=5)  # rank and world from the job
+    loader = fastmm.DataLoader(Ids(), batch_size=8, sampler=sampler, num_workers=2)
+    record = {"rank": rank, "world": world, "sampler_rank": sampler.rank, "epochs": []}
+    for _ in range(2):
+        ids, steps = [], 0
+        for batch in loader:
+            ids += batch.tolist()
+            total = torch.ones(1)
+            dist.all_reduce(total)  # every rank steps together, or this hangs
+            assert int(total) == world
+            steps += 1
+        record["epochs"].append({"ids": ids, "batches": steps})
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(record, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

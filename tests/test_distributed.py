@@ -1,0 +1,80 @@
+"""Distributed splitting: real torchrun jobs (gloo, world size 2 and 4) through fastmm's loader
+and sampler -- every id once per epoch plus only the documented padding, equal batch counts, an
+all-reduce every step -- and where rank and world size come from."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastmm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torchrun_job_sees_every_id_once_per_epoch(world, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", os.path.join(HERE, "_dist_job.py"), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    n = 103
+    per_rank = math.ceil(n / world)
+    orders = []
+    for epoch in range(2):
+        seen = collections.Counter()
+        for r, record in enumerate(ranks):
+            assert record["world"] == world and record["sampler_rank"] == r
+            e = record["epochs"][epoch]
+            assert len(e["ids"]) == per_rank
+            assert e["batches"] == math.ceil(per_rank / 8)  # equal on every rank
+            seen.update(e["ids"])
+            # interchangeable with torch's sampler at the same epoch
+            reference = torch.utils.data.DistributedSampler(range(n), num_replicas=world,
+                                                            rank=r, seed=5)
+            reference.set_epoch(epoch)
+            assert e["ids"] == list(reference)
+        assert set(seen) == set(range(n))
+        assert sum(seen.values()) == per_rank * world  # the padding, and nothing else, twice
+        assert sum(c - 1 for c in seen.values()) == per_rank * world - n
+        orders.append(ranks[0]["epochs"][epoch]["ids"])
+    assert orders[0] != orders[1]  # each epoch reshuffled by itself
+
+
+def test_rank_and_world_size_come_from_the_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    sampler = fastmm.DistributedSampler(range(10))
+    assert (sampler.rank, sampler.num_replicas) == (2, 3)
+    assert fastmm.DistributedSampler(range(10), rank=0).rank == 0  # an argument wins
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(fastmm.ConfigError, match="RANK=3 is not below WORLD_SIZE=3"):
+        fastmm.DistributedSampler(range(10))
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(fastmm.ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        fastmm.DistributedSampler(range(10))
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert fastmm.DistributedSampler(range(10)).num_replicas == 1  # one process
+
+
+def test_set_epoch_rules_as_in_torch():
+    ours = fastmm.DistributedSampler(range(20), num_replicas=2, rank=1, seed=7)
+    theirs = torch.utils.data.DistributedSampler(range(20), num_replicas=2, rank=1, seed=7)
+    assert list(ours) == list(theirs)  # epoch 0
+    theirs.set_epoch(1)
+    assert list(ours) == list(theirs)  # advanced by itself
+    ours.set_epoch(5)
+    theirs.set_epoch(5)
+    assert list(ours) == list(theirs) == list(ours)  # fixed once set
+    drop = fastmm.DistributedSampler(range(9), num_replicas=4, rank=0, drop_last=True)
+    assert len(list(drop)) == 2
