@@ -22,11 +22,30 @@ class Ids(Dataset):
         return torch.tensor(i)
 
 
-def main(out: str) -> None:
+class Keys(Dataset):
+    """Samples of a MultimodalDataset over tar shards (random access through their offset
+    index), reduced to their index in the dataset."""
+
+    def __init__(self, shards: str):
+        self.ds = fastmm.MultimodalDataset(shards, source="shards", decoder="pil", size=32,
+                                           modality="image")
+        self.keys = self.ds.source.keys()
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        item = self.ds[i]
+        assert item["image"].shape == (3, 32, 32)
+        return torch.tensor(self.keys.index(item["key"]))
+
+
+def main(out: str, shards: str | None = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    sampler = fastmm.DistributedSampler(Ids(), seed=5)  # rank and world from the job
-    loader = fastmm.DataLoader(Ids(), batch_size=8, sampler=sampler, num_workers=2)
+    dataset = Keys(shards) if shards else Ids()
+    sampler = fastmm.DistributedSampler(dataset, seed=5)  # rank and world from the job
+    loader = fastmm.DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=2)
     record = {"rank": rank, "world": world, "sampler_rank": sampler.rank, "epochs": []}
     for _ in range(2):
         ids, steps = [], 0
@@ -44,4 +63,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

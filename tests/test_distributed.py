@@ -19,14 +19,18 @@ import fastmm
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_torchrun_job_sees_every_id_once_per_epoch(world, tmp_path):
+def _torchrun(world: int, out, *args) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", os.path.join(HERE, "_dist_job.py"), str(tmp_path)]
+           f"--nproc_per_node={world}", os.path.join(HERE, "_dist_job.py"), str(out), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torchrun_job_sees_every_id_once_per_epoch(world, tmp_path):
+    ranks = _torchrun(world, tmp_path)
     n = 103
     per_rank = math.ceil(n / world)
     orders = []
@@ -48,6 +52,23 @@ def test_torchrun_job_sees_every_id_once_per_epoch(world, tmp_path):
         assert sum(c - 1 for c in seen.values()) == per_rank * world - n
         orders.append(ranks[0]["epochs"][epoch]["ids"])
     assert orders[0] != orders[1]  # each epoch reshuffled by itself
+
+
+def test_torchrun_job_over_tar_shards_reads_every_sample_once(tmp_path):
+    """MultimodalDataset over tar shards (random access by offset index) + DistributedSampler:
+    2 ranks x 2 workers read every sample of the shards once per epoch, padding aside."""
+    pytest.importorskip("PIL")
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    write_corpus(CorpusSpec(num_images=21, num_videos=0, seed=2, shard_bytes=200_000),
+                 str(tmp_path / "c"))
+    shards = tmp_path / "c" / "shards"
+    assert len(list(shards.glob("*.tar"))) > 2
+    ranks = _torchrun(2, tmp_path, str(shards))
+    for epoch in range(2):
+        seen = collections.Counter(i for r in ranks for i in r["epochs"][epoch]["ids"])
+        assert set(seen) == set(range(21)) and sum(seen.values()) == 22  # one padded
+        assert ranks[0]["epochs"][epoch]["batches"] == ranks[1]["epochs"][epoch]["batches"]
 
 
 def test_rank_and_world_size_come_from_the_torchrun_environment(monkeypatch):
