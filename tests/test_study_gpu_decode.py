@@ -50,3 +50,4 @@ def test_both_placements_draw_the_same_crops(tmp_path):
         if images is not None:  # torchvision decodes on the CPU too: the same crop, same size
             assert images.shape[1:] == cpu.shape
             assert (images[0].float() - cpu.float()).abs().mean() < 3.0
+

@@ -8,9 +8,10 @@ index at the end. Parts (each its own process, its own environment record and re
    correctness, Markdown + HTML report;
 3. ``staging``: study 1, NVMe staging against reading in place from throttled storage;
 4. ``gpu-decode``: study 2, decode in the CPU workers or on the GPU next to a model step (its
-   GPU arms only where CUDA is).
+   GPU arms only where CUDA is);
+5. ``shards``: study 3, a file per sample against tar shards of several sizes and staged
+   shards, under torchrun (gloo) at world size 2 and 4.
 
-(Study 3, sharded storage under torchrun, is not built yet: see benchmarks/studies/README.md.)
 Run:
 ``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a minute or two).
 """
@@ -48,6 +49,8 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
         ("gpu-decode", py + ["fastmm.bench.study_gpu_decode", "--out",
                              os.path.join(out, "gpu-decode"), "--cache-dir", cache, *staging],
          os.path.join("gpu-decode", "gpu_decode.md")),
+        ("shards", py + ["fastmm.bench.study_shards", "--out", os.path.join(out, "shards"),
+                         "--cache-dir", cache, *staging], os.path.join("shards", "shards.md")),
     ]
 
 
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run of every part")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of loader,experiment,staging,gpu-decode")
+                   help="comma-separated subset of loader,experiment,staging,gpu-decode,shards")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     chosen = [x for x in args.only.split(",") if x]

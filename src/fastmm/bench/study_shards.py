@@ -1,0 +1,194 @@
+"""Study 3, sharded storage in distributed training: a file per sample against WebDataset tar
+shards of several sizes (read by offset index) and against the same shards staged to local disk
+first, under ``torchrun`` (gloo) at world size 2 and 4 on this machine. The one factor is the
+data layout; decode (torchvision backend, fast path, 224 px), sampler (fastmm.DistributedSampler,
+seed 0), batch and workers are the same. Every rank all-reduces each step, as training would.
+
+Reported per layout and world size: per-rank throughput (median over ranks), the slowest rank
+against the fastest, startup (process start to the first batch, opening the layout included),
+staging cost where staged, and whether every rank yielded the same number of batches.
+Run: ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import env, stats
+from .corpus import default_cache_dir
+from .mmcorpus import CorpusSpec
+from .pipelines import SIZE, ensure_mmcorpus
+
+
+def rank_job(layout: str, root: str, out: str, batch: int, workers: int, epochs: int) -> None:
+    """One rank of the job (run by torchrun): open the layout, read its share, write figures."""
+    started = time.perf_counter()
+    import torch
+    import torch.distributed as dist
+
+    import fastmm
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kind = {"files": "posix", "staged": "staged"}.get(layout, "shards")
+    source = None
+    if kind == "staged":  # one staging directory for the node: ranks stage each shard once
+        from ..sources import StagedSource
+
+        source = StagedSource(root, os.path.join(out, "stage"), inner="shards")
+    dataset = fastmm.MultimodalDataset(root if source is None else None, source=source or kind,
+                                       decoder="torchvision", reduce=True, size=SIZE,
+                                       modality="image", transform=lambda item: item["image"])
+    sampler = fastmm.DistributedSampler(dataset, seed=0)
+    loader = fastmm.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers)
+    figures = {"rank": rank, "world": world, "epochs": []}
+    for epoch in range(epochs):
+        t0, n, batches, first = time.perf_counter(), 0, 0, None
+        for images in loader:
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            if first is None:
+                first = time.perf_counter() - (started if epoch == 0 else t0)
+            n += len(images)
+            batches += 1
+        seconds = time.perf_counter() - t0
+        figures["epochs"].append({"samples": n, "batches": batches, "seconds": seconds,
+                                  "samples_per_s": n / seconds, "first_batch_s": first})
+    if source is not None:
+        figures["staging_cost"] = source.staging_cost
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(figures, f)
+    dist.destroy_process_group()
+
+
+def layouts(root: str, work: str, shard_sizes: list[int]) -> dict[str, str]:
+    """layout name -> what MultimodalDataset opens: the file tree, and shards of each size."""
+    from ..sources import open_source
+    from ..sources.shards import write_shards
+
+    out = {"files": os.path.join(root, "posix", "manifest.jsonl")}
+    files = open_source("posix", out["files"])
+    samples = [files.read(i) for i in range(len(files))]
+    for size in shard_sizes:
+        name = f"shards-{size // 1_000_000}MB" if size >= 1_000_000 else f"shards-{size // 1000}kB"
+        directory = os.path.join(work, name)
+        write_shards([(s.key, s.members) for s in samples], directory, max_bytes=size)
+        out[name] = directory
+    out["staged"] = directory  # the largest shards, staged to local disk by every job first
+    return out
+
+
+def run(args) -> dict:
+    root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=0, seed=args.seed),
+                           args.cache_dir)
+    work = tempfile.mkdtemp(prefix="fastmm-shards-", dir=args.work_dir)
+    results = {}
+    try:
+        where = layouts(root, work, args.shard_bytes)
+        total = len(where) * len(args.worlds)
+        done = 0
+        for world in args.worlds:
+            for name, path in where.items():
+                out = os.path.join(work, f"run-{name}-{world}")
+                os.makedirs(out)
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={world}", "-m", "fastmm.bench.study_shards", "--rank-job",
+                       name, path, out, str(args.batch), str(args.num_workers), str(args.epochs)]
+                code = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                      capture_output=True, text=True)
+                done += 1
+                if code.returncode != 0:
+                    results[f"{name} / world {world}"] = {"error": code.stderr[-2000:]}
+                    print(f"[shards] {done}/{total} {name} world {world}: FAILED",
+                          file=sys.stderr, flush=True)
+                    continue
+                ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+                last = [r["epochs"][-1] for r in ranks]
+                rates = [e["samples_per_s"] for e in last]
+                entry = {
+                    "layout": name, "world": world,
+                    "per_rank_samples_per_s": stats.summarize(rates),
+                    "slowest_over_fastest": min(rates) / max(rates),
+                    "startup_s": stats.summarize([r["epochs"][0]["first_batch_s"] for r in ranks]),
+                    "equal_batches": len({e["batches"] for r in ranks for e in r["epochs"]}) == 1,
+                    "batches_per_epoch": last[0]["batches"],
+                }
+                if "staging_cost" in ranks[0]:
+                    entry["staging_s"] = max(r["staging_cost"]["seconds"] for r in ranks)
+                results[f"{name} / world {world}"] = entry
+                print(f"[shards] {done}/{total} {name} world {world}: "
+                      f"{entry['per_rank_samples_per_s']['median']:.1f} samples/s per rank",
+                      file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"environment": env.capture(env.module_argv(__spec__, __name__),
+                                       loader_config={"batch_size": args.batch,
+                                                      "num_workers": args.num_workers},
+                                       paths=[args.work_dir or tempfile.gettempdir()]),
+            "images": args.images, "epochs": args.epochs, "results": results}
+
+
+def report(result: dict) -> str:
+    e = result["environment"]
+    lines = ["# Study 3: sharded storage in distributed training", "",
+             f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
+             f"{e['cpu_count_usable']} cores (every rank of every world size shares them).", "",
+             f"{result['images']} images; figures from the last of {result['epochs']} epochs "
+             "(startup from the first).", "",
+             "| layout / world | samples/s per rank, median [min-max] | slowest / fastest | "
+             "startup s | staging s | equal batches |", "|---|---|---|---|---|---|"]
+    for name, r in result["results"].items():
+        if "error" in r:
+            lines.append(f"| {name} | FAILED | | | | |")
+            continue
+        s = r["per_rank_samples_per_s"]
+        lines.append(f"| {name} | {s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}] | "
+                     f"{r['slowest_over_fastest']:.2f} | {r['startup_s']['median']:.2f} | "
+                     f"{r.get('staging_s', 0):.2f} | {'yes' if r['equal_batches'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--rank-job":
+        name, path, out, batch, workers, epochs = argv[1:7]
+        rank_job(name, path, out, int(batch), int(workers), int(epochs))
+        return 0
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_shards", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join("bench-out", "study-shards"))
+    p.add_argument("--images", type=int, default=400)
+    p.add_argument("--shard-bytes", default="1000000,8000000,64000000")
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--quick", action="store_true", help="smoke run: 48 images, world 2")
+    args = p.parse_args(argv)
+    args.shard_bytes = [int(x) for x in args.shard_bytes.split(",")]
+    args.worlds = [int(x) for x in args.worlds.split(",")]
+    if args.quick:
+        args.images, args.worlds, args.shard_bytes, args.batch = 48, [2], [300_000, 2_000_000], 8
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "shards.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = report(result)
+    with open(os.path.join(args.out, "shards.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if all("error" not in r for r in result["results"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Study 3 (sharded storage under torchrun) on a tiny corpus."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torchvision")
+
+
+def test_sharded_storage_study_under_torchrun(tmp_path):
+    """Study 3, quick: every layout runs as a real 2-rank torchrun job with equal batch counts."""
+    from fastmm.bench import study_shards
+
+    out = tmp_path / "out"
+    assert study_shards.main(["--quick", "--out", str(out), "--cache-dir",
+                              str(tmp_path / "cache"), "--work-dir", str(tmp_path)]) == 0
+    result = json.loads((out / "shards.json").read_text())
+    assert set(result["results"]) == {"files / world 2", "shards-300kB / world 2",
+                                      "shards-2MB / world 2", "staged / world 2"}
+    for name, r in result["results"].items():
+        assert r["equal_batches"], name
+        assert r["batches_per_epoch"] == 3  # 48 images over 2 ranks, batches of 8
+        assert r["per_rank_samples_per_s"]["median"] > 0 and 0 < r["slowest_over_fastest"] <= 1
+    assert result["results"]["staged / world 2"]["staging_s"] >= 0
