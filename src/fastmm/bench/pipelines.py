@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 from . import harness, stats
 from .corpus import default_cache_dir
 from .mmcorpus import MMCORPUS_VERSION, CorpusSpec, write_corpus
+from .report import save
 from .workloads import CONSUMERS, image_transform
 
 CLIP_FRAMES, CLIP_STRIDE, SIZE = 16, 2, 224
@@ -291,13 +292,7 @@ def main(argv=None) -> int:
         args.images, args.videos, args.reps = 64, 4, 1
         args.min_seconds = args.warmup_seconds = 0.5
     result = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pipelines.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "pipelines.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    save(args.out, "pipelines", result, report(result))
     return 0
 
 

@@ -5,6 +5,20 @@ from __future__ import annotations
 from .workloads import CONSUMERS
 
 
+def save(out: str, stem: str, result: dict, text: str) -> None:
+    """Write ``<stem>.json`` (every figure) and ``<stem>.md`` (the report) into ``out``, and
+    print the report: how every bench command leaves its result."""
+    import json
+    import os
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    print(text)
+
+
 def method(consume: str) -> dict:
     """How each figure is defined, for the results JSON (``consume``: the consumer's name)."""
     return {

@@ -14,7 +14,6 @@ Run: ``python -m fastmm.bench.study_gpu_decode --out DIR`` (``--quick`` for a sm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ from .corpus import default_cache_dir
 from .experiment import ModelStep
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, _files, ensure_mmcorpus
+from .report import save
 
 
 class Decoded(Dataset):
@@ -219,13 +219,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.images, args.batch, args.batches, args.warmup_batches = 64, 8, 3, 1
     result = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_decode.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "gpu_decode.md"), "w") as f:
-        f.write(text)
-    print(text)
+    save(args.out, "gpu_decode", result, report(result))
     return 0
 
 

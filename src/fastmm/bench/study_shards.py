@@ -25,6 +25,7 @@ from . import env, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
+from .report import save
 
 
 def rank_job(layout: str, root: str, out: str, batch: int, workers: int, epochs: int) -> None:
@@ -180,13 +181,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.images, args.worlds, args.shard_bytes, args.batch = 48, [2], [300_000, 2_000_000], 8
     result = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "shards.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "shards.md"), "w") as f:
-        f.write(text)
-    print(text)
+    save(args.out, "shards", result, report(result))
     return 0 if all("error" not in r for r in result["results"].values()) else 1
 
 

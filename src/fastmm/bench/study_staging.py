@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
-import json
 import os
 import shutil
 import sys
@@ -35,6 +34,7 @@ from . import env, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
+from .report import save
 
 
 class _Bucket:
@@ -242,13 +242,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.images, args.mb_per_s = 48, 40.0
     result = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "staging.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "staging.md"), "w") as f:
-        f.write(text)
-    print(text)
+    save(args.out, "staging", result, report(result))
     return 0
 
 

@@ -9,7 +9,6 @@ medians with min-max and paired ratios to "off". Run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,6 +20,7 @@ from . import harness, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, TorchImageDataset, _files, ensure_mmcorpus
+from .report import save
 from .workloads import CONSUMERS
 
 MODES = ("off", "summary", "trace")
@@ -139,13 +139,7 @@ def main(argv=None) -> int:
         args.images, args.videos, args.reps = 64, 4, 1
         args.min_seconds, args.warmup_seconds = 0.5, 0.25
     result = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "telemetry_cost.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(args.out, "telemetry_cost.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    save(args.out, "telemetry_cost", result, report(result))
     return 0
 
 
