@@ -86,6 +86,9 @@ def test_reports_are_written_and_self_contained(ran):
         assert section in md
     assert "Observed (measured)" in md and "Hypotheses (not measured)" in md
     assert md.count("(read 2026-") == len(experiment.SOURCES)
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(result["arms"])
+    assert {line.count("|") for line in rows} == {10}  # no cell splits into two
     html = (out / "report.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<table>" in html
     assert re.search(r'<img [^>]*src="data:image/png;base64,', html)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
-import io
 import json
 import os
 import sys
@@ -228,7 +227,8 @@ def correctness(kind: str, rep: dict, base: dict) -> dict:
     if kind == "pixels":
         a, b = rep["first"], base["first"]
         diff = (a.float() - b.float()).abs().mean().item() if a.shape == b.shape else float("inf")
-        return {"check": f"same samples in order; mean |pixel diff| <= {PIXEL_TOLERANCE}",
+        # no "|" in the label: it is a cell of the report's Markdown table
+        return {"check": f"same samples in order; mean abs pixel diff <= {PIXEL_TOLERANCE}",
                 "ok": same_order and diff <= PIXEL_TOLERANCE, "mean_abs_diff": diff}
     return {"check": "same samples in the same order", "ok": same_order}
 
@@ -392,10 +392,10 @@ def report_markdown(result: dict, plots: dict[str, str] | None = None) -> str:
         f"{e['numa_nodes'] or 'n/a'}; RAM {e['ram_total_bytes'] / 2**30:.1f} GiB; /dev/shm "
         f"{(e['dev_shm']['total_bytes'] or 0) / 2**30:.1f} GiB",
         f"- GPU: {', '.join(d['name'] for d in e['gpus']['devices']) or 'none'}",
-        f"- Storage: " + "; ".join(f"{p} on {s['device']} ({s['fstype']}, "
+        "- Storage: " + "; ".join(f"{p} on {s['device']} ({s['fstype']}, "
                                    f"{(s['free_bytes'] or 0) / 2**30:.0f} GiB free)"
                                    for p, s in e["storage"].items()),
-        f"- Network: " + ", ".join(f"{k} ({'up' if n['up'] else 'down'})"
+        "- Network: " + ", ".join(f"{k} ({'up' if n['up'] else 'down'})"
                                    for k, n in e["network"].items()),
         f"- Python {e['python']}, torch {v['torch']}, torchvision {v['torchvision']}, "
         f"torchcodec {v['torchcodec']}, DALI {v['dali']}, FFmpeg "
