@@ -14,7 +14,7 @@ import torch
 from torchcodec import decoders as tcd
 from torchcodec.transforms import DecoderTransform
 
-from .base import ClipSpec, CropPlan, DecodeError, LibraryDecoder, crop_resize, to_rgb_chw
+from .base import ClipSpec, CropPlan, DecodeError, LibraryDecoder, crop_resize
 
 
 class Decoder(LibraryDecoder):

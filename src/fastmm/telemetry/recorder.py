@@ -273,10 +273,6 @@ def wrap_dataset(dataset, log: SpanLog):
     return TimedDataset(dataset, log)
 
 
-def stage_code(name: str) -> int:
-    return _CODE[name]
-
-
 _SELF = None
 
 
