@@ -8,7 +8,8 @@ Messages from the main process (on the worker's index queue):
   ("resume", shared_seed)          a new epoch on persistent workers
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
-  (send_idx, kind, payload, slab_ids_used, new_slabs) with kind one of "data", "error", "end";
+  (send_idx, kind, payload, slab_ids_used, new_slabs, rng) with kind one of "data", "error",
+  "end"; rng: the worker's RNG states after the task if it changed them, else None (resume.py);
   ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
 """
 
@@ -27,7 +28,7 @@ from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
-from . import collate
+from . import collate, resume
 from .slabs import IDLE_WORKER_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
@@ -98,6 +99,7 @@ def worker_loop(
     num_workers,
     shared_seed,
     transport,
+    restore=(None, 0),
 ):
     try:
         _exit_when_orphaned()
@@ -134,8 +136,10 @@ def worker_loop(
             fetcher = _DatasetKind.create_fetcher(
                 dataset_kind, dataset, auto_collation, slab_collate, drop_last
             )
+            _restore(fetcher, *restore)
         except Exception:
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
+        rng_watch = resume.RngWatch()
 
         iteration_end = False
         idle_timeout = IDLE_WORKER_S
@@ -184,7 +188,7 @@ def worker_loop(
                 status = "error"
             del result
             used, new = writer.finish()
-            result_conn.send((send_idx, status, payload, used, new))
+            result_conn.send((send_idx, status, payload, used, new, rng_watch.changed()))
             del payload, message, index
     except KeyboardInterrupt:
         pass
@@ -193,6 +197,19 @@ def worker_loop(
     finally:
         torch_worker._worker_info = None
         collate.set_writer(None)
+
+
+def _restore(fetcher, rng_state, skip_items: int) -> None:
+    """A restored worker: drop the IterableDataset samples it had handed out (pulling them
+    again brings its iterator to the same place), then take the RNG states it had then."""
+    for _ in range(skip_items):
+        try:
+            next(fetcher.dataset_iter)
+        except StopIteration:
+            fetcher.ended = True
+            break
+    if rng_state is not None:
+        resume.apply_rng(rng_state)
 
 
 def _fetch(fetcher, index, dataset_kind, worker_id):

@@ -118,6 +118,16 @@ class _Counters:
         if replaced:
             self._array[base + len(REASONS)] += 1
 
+    def set_totals(self, skipped: dict[str, int], replaced: int) -> None:
+        """Start from saved totals (kept in this process's row; the workers' rows cleared)."""
+        width = len(REASONS) + 1
+        for i in range(len(self._array)):
+            self._array[i] = 0
+        for reason, n in skipped.items():
+            col = REASONS.index(reason) if reason in REASONS else REASONS.index("other")
+            self._array[col] += int(n)
+        self._array[width - 1] = int(replaced)
+
     def totals(self) -> tuple[dict[str, int], int]:
         width = len(REASONS) + 1
         sums = [sum(self._array[r * width + c] for r in range(_ROWS)) for c in range(width)]
@@ -226,6 +236,16 @@ class MultimodalDataset(torch.utils.data.Dataset):
     def replaced(self) -> int:
         """How many of those were replaced by another sample (on_error="replace")."""
         return self._counters.totals()[1]
+
+    def state_dict(self) -> dict:
+        """What a resumed run carries on from (``DataLoader.state_dict`` includes it): the skip
+        and replace counts. Which samples come next is the loader's state; a bad sample is
+        skipped or replaced the same way every time, so it needs nothing more."""
+        skipped, replaced = self._counters.totals()
+        return {"skipped": skipped, "replaced": replaced}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._counters.set_totals(state["skipped"], state["replaced"])
 
     # -- items ---------------------------------------------------------------------------------
 

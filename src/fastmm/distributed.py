@@ -8,7 +8,8 @@ called, which then rules as in torch). Every rank gets ``ceil(N / world_size)`` 
 shuffled order is padded by repeating its first samples (``drop_last=True``: the tail is
 dropped instead), so all ranks yield the same number of batches and no collective waits for a
 rank that ran out. Workers of one rank then share that rank's samples through the loader's
-batches, disjointly, as always.
+batches, disjointly, as always. ``state_dict()`` keeps the epoch, so a resumed job reshuffles as
+the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -36,3 +37,13 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         if not self._epoch_set:
             self.epoch += 1  # the next pass reshuffles, the same way on every rank
         return indices
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "epoch_set": self._epoch_set,
+                "rank": self.rank, "num_replicas": self.num_replicas}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The epoch (and whether set_epoch fixed it); the split stays this sampler's own (the
+        loader refuses a mid-epoch resume onto another world size)."""
+        self.epoch = int(state["epoch"])
+        self._epoch_set = bool(state["epoch_set"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import multiprocessing.connection
+import os
 import signal
 import socket
 import sys
@@ -24,9 +25,13 @@ import torch.multiprocessing
 import torch.utils.data
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 from torch.utils.data import _utils as torch_utils
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
+from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter,
+    _sharding_worker_init_fn,
+    _SingleProcessDataLoaderIter,
+)
 
-from . import collate
+from . import collate, resume
 from ._workers import worker_loop
 from .config import TelemetryConfig, TransportConfig
 from .slabs import SlabRing
@@ -55,10 +60,28 @@ class DataLoader(torch.utils.data.DataLoader):
         return _exported(tm, tm.watch(self, _iterate=super().__iter__), config.directory)
 
     def _get_iterator(self):
+        restore = self.__dict__.pop("_fastmm_restore", None)
         if self.num_workers == 0:
-            return super()._get_iterator()
+            return _SingleProcessIter(self, restore)
         self.check_worker_number_rationality()
-        return _SlabDataLoaderIter(self)
+        return _SlabDataLoaderIter(self, restore)
+
+    def state_dict(self) -> dict:
+        """Where the loader is in its epoch, as a small JSON-serialisable dict: a new loader
+        given it by ``load_state_dict`` yields exactly the batches this one would yield next
+        (same samples, order and augmentation draws). Needs ``in_order=True``."""
+        return resume.encode(self, self.__dict__.get("_fastmm_progress"))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Start the next iteration where ``state`` (from ``state_dict``) was taken. Raises
+        ValueError if this loader differs in a way that would change the batches left in a
+        started epoch (workers, batch size, dataset length, world size, ...)."""
+        progress = resume.decode(self, state)
+        if self._iterator is not None:  # persistent workers of the old position: start anew
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        self.__dict__["_fastmm_restore"] = progress
+        self.__dict__["_fastmm_progress"] = progress
 
 
 def _exported(tm: Telemetry, watched, directory: str):
@@ -83,11 +106,58 @@ def _signal_name(exitcode: int | None) -> str:
         return f"signal {-exitcode}"
 
 
-class _SlabDataLoaderIter(_BaseDataLoaderIter):
+class _ResumableIter:
+    """What both iterators add to torch's for ``state_dict``: progress kept on the loader, the
+    sampler replayed on restore, and a restored base seed drawn without trace."""
+
+    def _start_progress(self, loader, restore: resume.Progress | None, init) -> None:
+        if restore is not None and (restore.mid_epoch or restore.base_seed is not None):
+            with resume.KeepRng(loader.generator):  # those draws were made before the save
+                init(loader)
+            if restore.base_seed is not None:
+                self._base_seed = restore.base_seed
+        else:
+            init(loader)
+        progress = resume.Progress(loader.num_workers, base_seed=self._base_seed)
+        if restore is not None:
+            if restore.base_seed is not None:
+                progress.worker_rng = list(restore.worker_rng)
+            if restore.mid_epoch:  # the sampler tap skips what was handed out
+                progress.batches = restore.batches
+                progress.worker_batches = list(restore.worker_batches)
+                progress.last_worker = restore.last_worker
+        self._progress = loader.__dict__["_fastmm_progress"] = progress
+        self._first_sampler_iter = resume.SamplerTap(loader, progress, restore)
+
+    def __next__(self):
+        try:
+            return super().__next__()
+        except StopIteration:
+            self._progress.done = True
+            raise
+
+
+class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
+    def __init__(self, loader: DataLoader, restore: resume.Progress | None) -> None:
+        self._start_progress(loader, restore, super().__init__)
+        self._sampler_iter = self._first_sampler_iter
+        if restore is not None and restore.mid_epoch and self._dataset_kind == _DatasetKind.Iterable:
+            with resume.KeepRng():  # pull and drop what was handed out; its draws were made
+                for _ in range(restore.batches):
+                    self._dataset_fetcher.fetch(next(self._sampler_iter))
+
+    def _next_index(self):
+        index = super()._next_index()
+        self._progress.batches += 1
+        return index
+
+
+class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
     """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``."""
 
-    def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
+    def __init__(self, loader: DataLoader, restore: resume.Progress | None = None) -> None:
+        self._owner_pid = os.getpid()
+        self._start_progress(loader, restore, super().__init__)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         if self._num_workers <= 0:
@@ -149,6 +219,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
                     self._num_workers,
                     self._shared_seed,
                     transport,
+                    self._worker_resume(worker_id, restore),
                 ),
                 name=f"fastmm-worker-{worker_id}",
                 daemon=True,
@@ -168,17 +239,37 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         self._worker_pids_set = True
         self._reset(loader, first_iter=True)
 
+    def _worker_resume(self, worker_id: int, restore: resume.Progress | None):
+        """(RNG states to set, IterableDataset samples to drop) for a restored worker."""
+        if restore is None:
+            return None, 0
+        skip = 0
+        if self._dataset_kind == _DatasetKind.Iterable:
+            skip = restore.skip_items(worker_id, self._auto_collation and self._index_sampler.batch_size)
+        return restore.worker_rng[worker_id] if restore.base_seed is not None else None, skip
+
     # -- epoch -------------------------------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
+        first_worker = 0
+        if first_iter:
+            self._sampler_iter = self._first_sampler_iter
+            first_worker = self._progress.first_worker(self._dataset_kind == _DatasetKind.Iterable)
+        else:
+            self._progress.next_epoch()
+            loader.__dict__["_fastmm_progress"] = self._progress
+            self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
         self._send_idx = 0  # next task to send
         self._rcvd_idx = 0  # next task to return
         self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
+        self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
-        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        self._worker_queue_idx_cycle = itertools.islice(
+            itertools.cycle(range(self._num_workers)), first_worker, None
+        )
         if not first_iter:
             for index_queue in self._index_queues:
                 index_queue.put(("resume", self._shared_seed))
@@ -241,7 +332,9 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         message = self._result_conns[worker_id].recv()
         if message[0] == "resumed":
             return "resumed", None
-        send_idx, status, payload, used, new = message
+        send_idx, status, payload, used, new, rng = message
+        if rng is not None:
+            self._task_rng[send_idx] = rng
         if new:
             self._ring.receive(worker_id, self._fd_socks[worker_id], new)
         views = self._ring.lend(worker_id, used)
@@ -283,7 +376,7 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
             if len(self._task_info[self._rcvd_idx]) == 2:
                 worker_id, data = self._task_info.pop(self._rcvd_idx)
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id)
+                return self._process_data(data, worker_id, self._rcvd_idx - 1)
 
             assert not self._shutdown and self._tasks_outstanding > 0
             idx, data = self._get_data()
@@ -303,12 +396,12 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
             if idx != self._rcvd_idx:
                 if not self._in_order:
                     worker_id = self._task_info.pop(idx)[0]
-                    return self._process_data(data, worker_id)
+                    return self._process_data(data, worker_id, idx)
                 self._task_info[idx] += (data,)
             else:
                 worker_id = self._task_info.pop(idx)[0]
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id)
+                return self._process_data(data, worker_id, idx)
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -336,7 +429,8 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _process_data(self, data, worker_id: int):
+    def _process_data(self, data, worker_id: int, idx: int):
+        self._progress.handed_out(worker_id, self._task_rng.pop(idx, None))
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, torch._utils.ExceptionWrapper):
@@ -384,5 +478,6 @@ class _SlabDataLoaderIter(_BaseDataLoaderIter):
             self._ring.close()
 
     def __del__(self) -> None:
-        if hasattr(self, "_ring"):
+        # only where it was made: a forked child may collect its copy of an iterator
+        if hasattr(self, "_ring") and self._owner_pid == os.getpid():
             self._shutdown_workers()

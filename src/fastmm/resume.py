@@ -1,0 +1,377 @@
+"""Mid-epoch resume: what ``DataLoader.state_dict()`` holds and how a new loader replays it.
+
+A batch is fixed by three things: the sampler's order (drawn from torch's RNG or the loader's
+``generator`` when the epoch's first index is drawn), the worker that makes it (round robin:
+with ``in_order=True`` batch ``j`` of an epoch goes to worker ``j mod num_workers``), and that
+worker's RNG states (torch, ``random``, NumPy) when it starts on it. So the state keeps the RNG
+states at the epoch's first draw, how many batches were handed out, the base seed, and each
+worker's RNG states after the last batch it handed out. A restored loader replays the sampler from
+those states (leaving the caller's RNGs as they were), skips the batches handed out, and sets each
+worker's RNGs before its first batch; batches that were prefetched but not handed out are made
+again. An IterableDataset has no index to skip to: each worker pulls and drops the samples it had
+handed out (its iterator must be deterministic) before its RNGs are set.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import random
+import struct
+import zlib
+
+import torch
+
+VERSION = 1
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional for torch, so for its workers' RNG states too
+    np = None
+
+
+# -- RNG states ------------------------------------------------------------------------------
+
+
+def capture_rng() -> tuple:
+    """This process's torch, random and NumPy RNG states as plain, comparable values."""
+    numpy_state = None
+    if np is not None:
+        _, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        numpy_state = (key.tobytes(), pos, has_gauss, gauss)
+    return torch.get_rng_state().numpy().tobytes(), random.getstate(), numpy_state
+
+
+def apply_rng(state: tuple) -> None:
+    torch_state, random_state, numpy_state = state
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+    random.setstate(random_state)
+    if numpy_state is not None and np is not None:
+        key, pos, has_gauss, gauss = numpy_state
+        np.random.set_state(("MT19937", np.frombuffer(key, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+class RngWatch:
+    """A worker's RNG states, sent with a batch only when the batch changed them."""
+
+    def __init__(self):
+        self.last = capture_rng()
+
+    def changed(self) -> tuple | None:
+        now = capture_rng()
+        if now == self.last:
+            return None
+        self.last = now
+        return now
+
+
+def _b64(data: bytes) -> str:
+    """Compressed: torch keeps its 32-bit Mersenne Twister words in 64-bit slots."""
+    return base64.b64encode(zlib.compress(data, 6)).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    try:
+        return zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    except (ValueError, zlib.error) as e:
+        raise ValueError(f"a damaged RNG state in the loader state: {e}") from None
+
+
+def encode_rng(state: tuple) -> dict:
+    torch_state, (version, words, gauss), numpy_state = state
+    out = {
+        "torch": _b64(torch_state),
+        "random": {"version": version, "words": _b64(struct.pack(f"<{len(words)}I", *words)),
+                   "gauss": gauss},
+    }
+    if numpy_state is not None:
+        key, pos, has_gauss, cached = numpy_state
+        out["numpy"] = {"key": _b64(key), "pos": pos, "has_gauss": has_gauss, "gauss": cached}
+    return out
+
+
+def decode_rng(data: dict) -> tuple:
+    r = data["random"]
+    raw = _unb64(r["words"])
+    words = struct.unpack(f"<{len(raw) // 4}I", raw)
+    numpy_state = None
+    if "numpy" in data:
+        n = data["numpy"]
+        numpy_state = (_unb64(n["key"]), n["pos"], n["has_gauss"], n["gauss"])
+    return _unb64(data["torch"]), (r["version"], words, r["gauss"]), numpy_state
+
+
+def _generator_states(generator) -> tuple[bytes, bytes | None]:
+    """What a sampler can draw from: torch's default RNG and the loader's generator."""
+    own = None if generator is None else generator.get_state().numpy().tobytes()
+    return torch.get_rng_state().numpy().tobytes(), own
+
+
+def _set_generator_states(states, generator) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(states[0]), dtype=torch.uint8))
+    if generator is not None and states[1] is not None:
+        generator.set_state(torch.frombuffer(bytearray(states[1]), dtype=torch.uint8))
+
+
+class KeepRng:
+    """Runs a block without trace on the caller's RNGs: the replay of draws that were already
+    made before the state was saved must not make them a second time."""
+
+    def __init__(self, generator=None):
+        self.generator = generator
+
+    def __enter__(self):
+        self.saved = capture_rng(), _generator_states(self.generator)
+        return self
+
+    def __exit__(self, *exc):
+        apply_rng(self.saved[0])
+        _set_generator_states(self.saved[1], self.generator)
+
+
+# -- progress --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a loader's latest iterator is in its epoch. The loader keeps it (the iterator may be
+    gone when state_dict() is called); a restored one is where the next iterator starts."""
+
+    num_workers: int
+    base_seed: int | None = None  # persistent workers keep it for every epoch
+    sampler_rng: tuple | None = None  # generator states at the epoch's first draw
+    sampler_state: dict | None = None  # the sampler's own state_dict() then, if it has one
+    batches: int = 0  # handed out (or raised) this epoch
+    done: bool = False  # the epoch ran out
+    worker_rng: list = dataclasses.field(default_factory=list)  # per worker, after its last batch
+    worker_batches: list = dataclasses.field(default_factory=list)  # IterableDataset: per worker
+    last_worker: int | None = None
+
+    def __post_init__(self):
+        self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
+        self.worker_batches = list(self.worker_batches) or [0] * self.num_workers
+
+    @property
+    def mid_epoch(self) -> bool:
+        """An iterator of this epoch exists (its base seed and maybe its order are drawn)."""
+        return not self.done
+
+    def next_epoch(self) -> None:
+        """A persistent iterator's next epoch: the workers and their RNGs carry on."""
+        self.sampler_rng = self.sampler_state = self.last_worker = None
+        self.batches, self.done = 0, False
+        self.worker_batches = [0] * self.num_workers
+
+    def handed_out(self, worker_id: int, rng: tuple | None) -> None:
+        self.batches += 1
+        self.last_worker = worker_id
+        self.worker_batches[worker_id] += 1
+        if rng is not None:
+            self.worker_rng[worker_id] = rng
+
+    def first_worker(self, iterable: bool) -> int:
+        """The worker the next task goes to, as the round robin of the saved run had it."""
+        if not self.num_workers:
+            return 0
+        if iterable:  # workers that ran out drop out of the round robin, so follow the last one
+            return 0 if self.last_worker is None else (self.last_worker + 1) % self.num_workers
+        return self.batches % self.num_workers
+
+    def skip_items(self, worker_id: int, batch_size: int | None) -> int:
+        """IterableDataset samples a worker pulls and drops before it carries on."""
+        return self.worker_batches[worker_id] * (batch_size or 1) if self.mid_epoch else 0
+
+
+def _sampler_with_state(loader):
+    for sampler in (loader.batch_sampler, loader.sampler):
+        if callable(getattr(sampler, "state_dict", None)) and callable(
+            getattr(sampler, "load_state_dict", None)
+        ):
+            return sampler
+    return None
+
+
+class SamplerTap:
+    """The epoch's index-sampler iterator. At the first draw it records what the order depends
+    on (generator states, the sampler's own state), or, restoring, replays a recorded epoch from
+    them and skips the batches already handed out."""
+
+    def __init__(self, loader, progress: Progress, replay: Progress | None):
+        # not the loader itself: a persistent iterator would close a reference cycle through it
+        self._generator = loader.generator
+        self._index_sampler = loader._index_sampler
+        self._sampler = _sampler_with_state(loader)
+        self._progress = progress
+        # an epoch whose first index was not drawn yet draws it live, as it would have
+        self._replay = replay if replay is not None and replay.sampler_rng is not None else None
+        self._it = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._it is None:
+            self._start()
+        return next(self._it)
+
+    def _start(self) -> None:
+        p, replay, sampler, generator = self._progress, self._replay, self._sampler, self._generator
+        if replay is None:
+            p.sampler_state = sampler.state_dict() if sampler is not None else None
+            p.sampler_rng = _generator_states(generator)
+            self._it = iter(self._index_sampler)
+            return
+        p.sampler_rng, p.sampler_state = replay.sampler_rng, replay.sampler_state
+        with KeepRng(generator):
+            _set_generator_states(replay.sampler_rng, generator)
+            if sampler is not None and replay.sampler_state is not None:
+                sampler.load_state_dict(replay.sampler_state)
+            it = iter(self._index_sampler)
+            first = _END
+            for _ in range(replay.batches + 1):  # the skipped batches, and the first one after
+                first = next(it, _END)
+                if first is _END:
+                    break
+        self._it = iter(()) if first is _END else _chain(first, it)
+
+
+_END = object()
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+# -- the state as JSON -----------------------------------------------------------------------
+
+
+def _world(loader) -> list[int] | None:
+    sampler = loader.sampler
+    if hasattr(sampler, "num_replicas") and hasattr(sampler, "rank"):
+        return [int(sampler.rank), int(sampler.num_replicas)]
+    return None
+
+
+def _shape(loader) -> dict:
+    """What must not change between saving and restoring mid-epoch."""
+    from torch.utils.data import IterableDataset
+
+    iterable = isinstance(loader.dataset, IterableDataset)
+    return {
+        "kind": "iterable" if iterable else "map",
+        "num_workers": loader.num_workers,
+        "batch_size": loader.batch_size,
+        "drop_last": loader.drop_last,
+        "samples": None if iterable else _len_or_none(loader.dataset),
+        "world": _world(loader),
+    }
+
+
+def _len_or_none(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _all_handed_out(loader, p: Progress) -> bool:
+    from torch.utils.data import IterableDataset
+
+    if isinstance(loader.dataset, IterableDataset):
+        return False
+    try:
+        return p.batches >= len(loader._index_sampler)
+    except TypeError:  # a sampler without a length
+        return False
+
+
+def encode(loader, progress: Progress | None) -> dict:
+    if loader.num_workers > 0 and not loader.in_order:
+        raise ValueError(
+            "state_dict() needs in_order=True: with in_order=False the order of batches depends "
+            "on which worker finishes first, so no saved state can promise the same batches"
+        )
+    p = progress or Progress(loader.num_workers, done=True)
+    if p.mid_epoch and _all_handed_out(loader, p):
+        p = dataclasses.replace(p, done=True)  # nothing left: the state is between epochs
+    sampler = _sampler_with_state(loader)
+    # the workers that make the next batch: this iterator's, or (between epochs) fresh ones
+    same_workers = loader.num_workers > 0 and (p.mid_epoch or loader.persistent_workers)
+    state = {
+        "fastmm_loader_state": VERSION,
+        **_shape(loader),
+        "persistent_workers": loader.persistent_workers,
+        "epoch_done": not p.mid_epoch,
+        "batches": p.batches if p.mid_epoch else 0,
+        "base_seed": p.base_seed if same_workers else None,
+        "sampler_rng": None if p.sampler_rng is None or not p.mid_epoch else {
+            "torch": _b64(p.sampler_rng[0]),
+            "generator": None if p.sampler_rng[1] is None else _b64(p.sampler_rng[1]),
+        },
+        # mid-epoch: the sampler as the epoch began; between epochs: as the next one begins
+        "sampler": p.sampler_state if p.mid_epoch else (
+            sampler.state_dict() if sampler is not None else None),
+        "workers": [None if s is None or not same_workers else encode_rng(s)
+                    for s in p.worker_rng],
+        "worker_batches": list(p.worker_batches) if p.mid_epoch else [0] * p.num_workers,
+        "last_worker": p.last_worker if p.mid_epoch else None,
+        # the loader's own generator is its state: where it is now, not where the epoch began
+        "generator": None if loader.generator is None else _b64(_generator_states(loader.generator)[1]),
+    }
+    dataset_state = getattr(loader.dataset, "state_dict", None)
+    state["dataset"] = dataset_state() if callable(dataset_state) else None
+    return state
+
+
+def decode(loader, state: dict) -> Progress:
+    """The Progress a restored loader starts from; raises ValueError where resuming would
+    reorder, repeat or skip samples."""
+    if not isinstance(state, dict) or state.get("fastmm_loader_state") != VERSION:
+        raise ValueError(
+            "not a fastmm DataLoader state (version "
+            f"{state.get('fastmm_loader_state') if isinstance(state, dict) else None!r}, "
+            f"expected {VERSION})"
+        )
+    mid_epoch = not state["epoch_done"]
+    now = _shape(loader)
+    if mid_epoch:
+        changed = [f"{k}: saved {state[k]!r}, now {now[k]!r}" for k in now if state[k] != now[k]]
+        if changed:
+            raise ValueError(
+                "cannot resume mid-epoch with a different loader: " + "; ".join(changed)
+                + ". The batches left in the epoch would differ (samples repeated, skipped or "
+                "reordered, or other augmentation draws). Resume with the same settings, or "
+                "from a state saved at an epoch boundary."
+            )
+        if loader.num_workers > 0 and not loader.in_order:
+            raise ValueError("resuming mid-epoch needs in_order=True")
+    elif state["kind"] != now["kind"]:
+        raise ValueError(f"the state is for a {state['kind']}-style dataset, this loader has a "
+                         f"{now['kind']}-style one")
+    same_workers = (state["num_workers"] == loader.num_workers
+                    and state["persistent_workers"] == loader.persistent_workers)
+    p = Progress(loader.num_workers)
+    if same_workers:  # else: a new worker layout starts from fresh seeds, as a new iterator does
+        p.base_seed = state["base_seed"]
+        p.worker_rng = [None if s is None else decode_rng(s) for s in state["workers"]]
+    if mid_epoch:
+        p.batches = state["batches"]
+        p.worker_batches = list(state["worker_batches"])
+        p.last_worker = state["last_worker"]
+        rng = state["sampler_rng"]
+        p.sampler_rng = None if rng is None else (
+            _unb64(rng["torch"]), None if rng["generator"] is None else _unb64(rng["generator"]))
+        p.sampler_state = state["sampler"]
+    else:
+        p.done = True
+        sampler = _sampler_with_state(loader)
+        if sampler is not None and state["sampler"] is not None:
+            sampler.load_state_dict(state["sampler"])
+    if loader.generator is not None and state.get("generator") is not None:
+        _set_generator_states((torch.get_rng_state().numpy().tobytes(), _unb64(state["generator"])),
+                              loader.generator)
+    dataset_load = getattr(loader.dataset, "load_state_dict", None)
+    if state.get("dataset") is not None and callable(dataset_load):
+        dataset_load(state["dataset"])
+    return p

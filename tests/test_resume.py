@@ -1,0 +1,312 @@
+"""Mid-epoch resume: a loader restored from state_dict() yields exactly the batches the
+uninterrupted run yields next (same ids, order and augmentation draws), at many stop points,
+with and without workers, persistent workers, prefetching, several ranks, an IterableDataset,
+and after kill -9 of a whole two-rank job."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import fastmm
+from fastmm import resume
+
+from _resume_job import Augmented, AugmentedStream
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EPOCHS = 2
+
+
+def _seed_main(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _batches(loader, stop: int | None = None):
+    """Batches over EPOCHS epochs; with ``stop``, the ones before it plus the state (loader and
+    main-process RNGs, through JSON) taken with ``stop`` batches handed out."""
+    out = []
+    for _ in range(EPOCHS):
+        it = iter(loader)
+        while True:
+            if len(out) == stop:
+                state = json.loads(json.dumps(loader.state_dict()))
+                return out, state, resume.capture_rng()
+            try:
+                out.append(next(it).tolist())
+            except StopIteration:
+                break
+    if stop is not None:
+        assert len(out) == stop, "stop point past the end"
+        return out, json.loads(json.dumps(loader.state_dict())), resume.capture_rng()
+    return out
+
+
+def _resumed(make, state, rng, count: int):
+    _seed_main(1234)  # the new process starts elsewhere; the checkpoint restores it
+    loader = make()
+    loader.load_state_dict(state)
+    resume.apply_rng(rng)
+    out = []
+    while len(out) < count:
+        for batch in loader:
+            out.append(batch.tolist())
+            if len(out) == count:
+                break
+    return out
+
+
+def _check_resume_everywhere(make, stops):
+    _seed_main(0)
+    full = _batches(make())
+    per_epoch = len(full) // EPOCHS
+    for stop in stops(per_epoch):
+        _seed_main(0)
+        head, state, rng = _batches(make(), stop)
+        assert len(json.dumps(state)) < 16_000 + 14_000 * make().num_workers  # small
+        tail = _resumed(make, state, rng, len(full) - stop)
+        assert head + tail == full, f"resumed at batch {stop}: batches differ"
+
+
+def _stops(per_epoch):
+    # 0, 1, inside the prefetch window, the last batch, the epoch boundary, into epoch 2
+    return [0, 1, 4, per_epoch - 1, per_epoch, per_epoch + 2]
+
+
+CONFIGS = {
+    "no workers": dict(num_workers=0),
+    "2 workers, prefetch 3": dict(num_workers=2, prefetch_factor=3),
+    "3 persistent workers": dict(num_workers=3, persistent_workers=True),
+    "generator, pinned": dict(num_workers=2, generator="g", pin_memory=True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*worker processes in total")
+@pytest.mark.filterwarnings("ignore:.*pin_memory.*")
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+def test_resume_yields_the_uninterrupted_batches(config, transport):
+    kwargs = dict(CONFIGS[config])
+
+    def make():
+        kw = dict(kwargs)
+        if kw.get("generator"):
+            kw["generator"] = torch.Generator().manual_seed(7)
+        return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, **kw)
+
+    _check_resume_everywhere(make, _stops)
+
+
+@pytest.mark.filterwarnings("ignore:.*worker processes in total")
+def test_resume_with_a_distributed_sampler_per_rank():
+    for rank in range(2):
+        def make(rank=rank):
+            ds = Augmented()
+            sampler = fastmm.DistributedSampler(ds, num_replicas=2, rank=rank, seed=9)
+            return fastmm.DataLoader(ds, batch_size=3, sampler=sampler, num_workers=2,
+                                     persistent_workers=True)
+
+        _check_resume_everywhere(make, _stops)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_an_iterable_dataset(num_workers):
+    def make():
+        return fastmm.DataLoader(AugmentedStream(), batch_size=3, num_workers=num_workers)
+
+    # with 2 workers, worker 1 runs out first: stops before and after it did
+    _check_resume_everywhere(make, lambda n: [0, 1, 3, n - 3, n - 1, n, n + 1])
+
+
+def test_a_resumed_loader_can_be_saved_and_resumed_again():
+    def make():
+        return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2)
+
+    _seed_main(0)
+    full = _batches(make())
+    _seed_main(0)
+    head, state, rng = _batches(make(), 2)
+    _seed_main(5)
+    loader = make()
+    loader.load_state_dict(state)
+    resume.apply_rng(rng)
+    it = iter(loader)
+    middle = [next(it).tolist() for _ in range(3)]
+    state2, rng2 = json.loads(json.dumps(loader.state_dict())), resume.capture_rng()
+    del it
+    tail = _resumed(make, state2, rng2, len(full) - 5)
+    assert head + middle + tail == full
+
+
+def test_state_right_after_load_is_the_loaded_state():
+    def make():
+        return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2)
+
+    _seed_main(0)
+    _, state, _ = _batches(make(), 3)
+    loader = make()
+    loader.load_state_dict(state)
+    assert json.loads(json.dumps(loader.state_dict())) == state
+
+
+def test_resuming_mid_epoch_with_other_settings_raises():
+    _seed_main(0)
+    _, state, _ = _batches(fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True,
+                                             num_workers=2), 3)
+    for changed in (dict(num_workers=1), dict(num_workers=0), dict(batch_size=5),
+                    dict(drop_last=True)):
+        kw = dict(batch_size=4, shuffle=True, num_workers=2) | changed
+        loader = fastmm.DataLoader(Augmented(), **kw)
+        with pytest.raises(ValueError, match="cannot resume mid-epoch") as e:
+            loader.load_state_dict(state)
+        assert next(iter(changed)) in str(e.value)
+    shorter = fastmm.DataLoader(Augmented(30), batch_size=4, shuffle=True, num_workers=2)
+    with pytest.raises(ValueError, match="samples: saved 37, now 30"):
+        shorter.load_state_dict(state)
+
+
+def test_resuming_mid_epoch_on_another_world_size_raises():
+    def make(world, rank):
+        ds = Augmented()
+        return fastmm.DataLoader(ds, batch_size=3, num_workers=0, sampler=fastmm.DistributedSampler(
+            ds, num_replicas=world, rank=rank))
+
+    _, state, _ = _batches(make(4, 1), 2)
+    with pytest.raises(ValueError, match=r"world: saved \[1, 4\], now \[1, 2\]"):
+        make(2, 1).load_state_dict(state)
+
+
+def test_a_state_at_an_epoch_boundary_moves_to_another_worker_count():
+    """Between epochs the worker count may change: the next epoch has the same samples in the
+    same order (augmentation follows the new workers' seeds, as in any new run)."""
+    def make(workers):
+        ds = Augmented()
+        return fastmm.DataLoader(ds, batch_size=4, num_workers=workers,
+                                 sampler=fastmm.DistributedSampler(ds, num_replicas=1, rank=0))
+
+    _seed_main(0)
+    full = _batches(make(2))
+    _seed_main(0)
+    head, state, rng = _batches(make(2), len(full) // EPOCHS)
+    tail = _resumed(lambda: make(3), state, rng, len(full) - len(head))
+    assert [[row[0] for row in b] for b in head + tail] == [[row[0] for row in b] for b in full]
+    assert tail != full[len(head):]  # other workers, other draws: it really changed layout
+
+
+def test_state_dict_needs_in_order():
+    loader = fastmm.DataLoader(Augmented(), batch_size=4, num_workers=2, in_order=False)
+    next(iter(loader))
+    with pytest.raises(ValueError, match="in_order=True"):
+        loader.state_dict()
+
+
+def test_a_state_from_something_else_is_refused():
+    loader = fastmm.DataLoader(Augmented(), batch_size=4)
+    for bad in ({}, {"fastmm_loader_state": 99}, [1, 2]):
+        with pytest.raises(ValueError, match="not a fastmm DataLoader state"):
+            loader.load_state_dict(bad)
+
+
+def test_a_fresh_loader_state_restores_to_a_fresh_start():
+    def make():
+        return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2)
+
+    _seed_main(0)
+    full = _batches(make())
+    _seed_main(0)
+    loader = make()
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["epoch_done"] and state["batches"] == 0
+    loader2 = make()
+    loader2.load_state_dict(state)
+    assert _batches(loader2) == full
+
+
+def test_the_multimodal_dataset_keeps_its_skip_counts(tmp_path):
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    root = tmp_path / "corpus"
+    write_corpus(CorpusSpec(num_images=6, num_videos=0, seed=1, png_fraction=0.0,
+                            image_short_side=(40, 60), large_fraction=0.0), str(root))
+    victim = sorted((root / "posix").rglob("*.jpg"))[0]
+    victim.write_bytes(b"not a jpeg")
+    ds = fastmm.MultimodalDataset(str(root / "posix"), size=16, on_error="skip", modality="image")
+    loader = fastmm.DataLoader(ds, batch_size=2, num_workers=2)
+    list(loader)
+    assert ds.skipped == {"corrupt": 1}
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["dataset"]["skipped"] == {"corrupt": 1}
+    ds2 = fastmm.MultimodalDataset(str(root / "posix"), size=16, on_error="skip", modality="image")
+    fastmm.DataLoader(ds2, batch_size=2, num_workers=2).load_state_dict(state)
+    assert ds2.skipped == {"corrupt": 1} and ds2.replaced == 0
+
+
+def _run_job(out, world: int, *args, env_extra=None):
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), **(env_extra or {}))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_resume_job.py"),
+                                       str(out), *args], env=env, start_new_session=True))
+    return procs
+
+
+def _steps(path) -> list:
+    """The batch of each step, the last one written for it winning (a killed run may have
+    logged a step its checkpoint did not cover; the resumed run writes it again)."""
+    by_step = {}
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):
+                row = json.loads(line)
+                by_step[row["step"]] = row["batch"]
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def test_resume_after_kill_9_of_the_whole_job(tmp_path):
+    world = 2
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    clean.mkdir()
+    killed.mkdir()
+    for p in _run_job(clean, world):
+        assert p.wait(timeout=120) == 0
+    procs = _run_job(killed, world, env_extra={"JOB_STEP_SLEEP": "0.05"})
+    deadline = time.monotonic() + 60
+    while True:  # kill mid-run, once every rank has checkpointed a few steps into epoch 1
+        done = []
+        for rank in range(world):
+            try:
+                with open(killed / f"rank{rank}.ckpt.json") as f:
+                    done.append(json.load(f)["done"])
+            except (FileNotFoundError, json.JSONDecodeError):
+                done.append(0)
+        if min(done) >= 9:
+            break
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.01)
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)  # the rank and its workers, at once
+    for p in procs:
+        p.wait(timeout=30)
+    for p in _run_job(killed, world, "--resume"):
+        assert p.wait(timeout=120) == 0
+    seen = []
+    for rank in range(world):
+        want = _steps(clean / f"rank{rank}.jsonl")
+        assert _steps(killed / f"rank{rank}.jsonl") == want
+        seen.append(want)
+    # and the job itself split the samples: each id once per epoch over the ranks (37 ids,
+    # world 2: one padded), equal step counts
+    assert len(seen[0]) == len(seen[1])
+    half = len(seen[0]) // EPOCHS
+    for epoch in range(EPOCHS):
+        ids = [row[0] for r in seen for b in r[epoch * half:(epoch + 1) * half] for row in b]
+        assert sorted(set(ids)) == list(range(37)) and len(ids) == 38
