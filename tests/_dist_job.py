@@ -40,17 +40,27 @@ class Keys(Dataset):
         return torch.tensor(self.keys.index(item["key"]))
 
 
-def main(out: str, shards: str | None = None) -> None:
+def main(out: str, shards: str | None = None, mode: str = "sampler") -> None:
+    """mode "sampler": samples split by fastmm.DistributedSampler; "stream": whole shards split
+    by fastmm.ShardStream (equal="pad"), ids are keys."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dataset = Keys(shards) if shards else Ids()
-    sampler = fastmm.DistributedSampler(dataset, seed=5)  # rank and world from the job
-    loader = fastmm.DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=2)
-    record = {"rank": rank, "world": world, "sampler_rank": sampler.rank, "epochs": []}
-    for _ in range(2):
+    if mode == "stream":
+        stream = fastmm.ShardStream(fastmm.MultimodalDataset(
+            shards, source="shards", decoder="pil", size=32, modality="image"), seed=5)
+        loader = fastmm.DataLoader(stream, batch_size=4, num_workers=2)
+        record = {"rank": rank, "world": world, "sampler_rank": stream.rank, "epochs": []}
+    else:
+        dataset = Keys(shards) if shards else Ids()
+        sampler = fastmm.DistributedSampler(dataset, seed=5)  # rank and world from the job
+        loader = fastmm.DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=2)
+        record = {"rank": rank, "world": world, "sampler_rank": sampler.rank, "epochs": []}
+    for epoch in range(2):
         ids, steps = [], 0
+        if mode == "stream":
+            stream.set_epoch(epoch)
         for batch in loader:
-            ids += batch.tolist()
+            ids += batch["key"] if mode == "stream" else batch.tolist()
             total = torch.ones(1)
             dist.all_reduce(total)  # every rank steps together, or this hangs
             assert int(total) == world

@@ -71,6 +71,32 @@ def test_torchrun_job_over_tar_shards_reads_every_sample_once(tmp_path):
         assert ranks[0]["epochs"][epoch]["batches"] == ranks[1]["epochs"][epoch]["batches"]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_torchrun_job_streaming_whole_shards_keeps_ranks_in_step(world, tmp_path):
+    """fastmm.ShardStream under torchrun: whole shards per (rank, worker), every sample once
+    per epoch plus only the padding, the same batch count on every rank, all-reduce each step."""
+    pytest.importorskip("PIL")
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    write_corpus(CorpusSpec(num_images=30, num_videos=0, seed=3, png_fraction=0.0,
+                            image_short_side=(40, 60), large_fraction=0.0, shard_bytes=12_000),
+                 str(tmp_path / "c"))
+    shards = tmp_path / "c" / "shards"
+    ranks = _torchrun(world, tmp_path, str(shards), "stream")
+    stream = fastmm.ShardStream(fastmm.MultimodalDataset(str(shards), source="shards"),
+                                rank=0, world_size=world, seed=5)
+    orders = []
+    for epoch in range(2):
+        stream.set_epoch(epoch)
+        _, per_slot = stream.plan(num_workers=2)
+        seen = collections.Counter(k for r in ranks for k in r["epochs"][epoch]["ids"])
+        assert set(seen) == set(stream.dataset.source.keys())
+        assert sum(seen.values()) == per_slot * world * 2  # every slot the same count
+        assert len({r["epochs"][epoch]["batches"] for r in ranks}) == 1
+        orders.append(ranks[0]["epochs"][epoch]["ids"])
+    assert orders[0] != orders[1]
+
+
 def test_rank_and_world_size_come_from_the_torchrun_environment(monkeypatch):
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -8,6 +8,7 @@ from .decode import ClipSpec, DecodeError, DecodeLimitError, DecodeLimits
 from .distributed import DistributedSampler
 from .loader import DataLoader
 from .slabs import SharedMemoryError, uses_cpp
+from .stream import ShardStream
 from .sources import SourceError
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "DistributedSampler",
     "MultimodalDataset",
     "ResizedCrop",
+    "ShardStream",
     "SharedMemoryError",
     "SourceError",
     "TransportConfig",

@@ -5,7 +5,8 @@ Messages from the main process (on the worker's index queue):
   ("task", send_idx, index, spare)  fetch and collate one batch (or one sample); spare: seconds
                                    the loop spent outside next() last step (see slabs.py)
   ("slabs", release_ids, destroy_ids)  slabs the main process no longer views
-  ("resume", shared_seed)          a new epoch on persistent workers
+  ("resume", shared_seed, epoch)   a new epoch on persistent workers; epoch: the main process's
+                                   dataset.epoch if it has set_epoch(), passed on to this copy
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
   (send_idx, kind, payload, slab_ids_used, new_slabs, rng) with kind one of "data", "error",
@@ -164,6 +165,8 @@ def worker_loop(
                 if isinstance(dataset, IterDataPipe):
                     shared_rng.manual_seed(message[1])
                     dataset = apply_random_seed(dataset, shared_rng)
+                if message[2] is not None:
+                    dataset.set_epoch(message[2])
                 fetcher = _DatasetKind.create_fetcher(
                     dataset_kind, dataset, auto_collation, slab_collate, drop_last
                 )

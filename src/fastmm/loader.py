@@ -271,8 +271,12 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             itertools.cycle(range(self._num_workers)), first_worker, None
         )
         if not first_iter:
+            # a dataset's set_epoch() (ShardStream's) reaches the workers' copies of it too
+            epoch = getattr(self._dataset, "epoch", None)
+            if not callable(getattr(self._dataset, "set_epoch", None)):
+                epoch = None
             for index_queue in self._index_queues:
-                index_queue.put(("resume", self._shared_seed))
+                index_queue.put(("resume", self._shared_seed, epoch))
             pending = self._num_workers
             while pending > 0:
                 idx, _ = self._get_data()

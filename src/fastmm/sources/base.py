@@ -120,6 +120,10 @@ class Source:
         """The member extensions of sample ``index``, from the index alone (nothing is read)."""
         raise NotImplementedError
 
+    def shard_of(self, index: int) -> int | None:
+        """Which tar shard sample ``index`` is in (their order in the source), or None."""
+        return None
+
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:

@@ -312,6 +312,9 @@ class ShardSource(Source):
     def extensions(self, index: int) -> tuple[str, ...]:
         return tuple(ext for ext, *_ in self._index()[index][3])
 
+    def shard_of(self, index: int) -> int:
+        return self._index()[index][0]
+
     def read(self, index: int) -> Sample:
         """One sample by index: one seek and one read spanning its members."""
         s, key, offset, members, problem = self._index()[index]

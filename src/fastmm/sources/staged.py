@@ -207,6 +207,9 @@ class StagedSource(Source):
     def extensions(self, index: int) -> tuple[str, ...]:
         return self.inner.extensions(index)
 
+    def shard_of(self, index: int) -> int | None:
+        return self.inner.shard_of(index)
+
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:

@@ -1,0 +1,158 @@
+"""ShardStream: whole tar shards per (rank, worker), equal samples per slot under the pad and
+drop rules, skips made up, per-epoch reshuffles reaching persistent workers, and mid-epoch
+resume through the loader."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+import torch
+
+import fastmm
+from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    write_corpus(CorpusSpec(num_images=N, num_videos=0, seed=4, png_fraction=0.0,
+                            image_short_side=(40, 60), large_fraction=0.0, shard_bytes=9_000),
+                 str(root))
+    out = root / "shards"
+    assert len(list(out.glob("*.tar"))) >= 9
+    return str(out)
+
+
+def _dataset(shards, **kw):
+    kw = {"crop": "center"} | kw
+    return fastmm.MultimodalDataset(shards, source="shards", decoder="pil", size=16,
+                                    modality="image", **kw)
+
+
+def _keys_by_rank(shards, world, *, workers=2, equal="pad", epoch=0, dataset_kw=None):
+    out = []
+    for rank in range(world):
+        stream = fastmm.ShardStream(_dataset(shards, **(dataset_kw or {})), equal=equal,
+                                    rank=rank, world_size=world, seed=1)
+        stream.set_epoch(epoch)
+        loader = fastmm.DataLoader(stream, batch_size=4, num_workers=workers)
+        batches = [b["key"] for b in loader]
+        out.append(batches)
+    return out
+
+
+def test_plan_deals_every_shard_once_and_the_same_on_every_rank(shards):
+    a = fastmm.ShardStream(_dataset(shards), rank=0, world_size=2)
+    b = fastmm.ShardStream(_dataset(shards), rank=1, world_size=2)
+    slots, per_slot = a.plan(num_workers=2)
+    assert (slots, per_slot) == b.plan(num_workers=2)
+    dealt = sorted(s for slot in slots for s in slot)
+    assert dealt == list(range(len(a.shards)))
+    loads = [sum(len(a.shards[s]) for s in slot) for slot in slots]
+    assert per_slot == max(loads) and sum(len(s) for s in a.shards) == N
+    a.set_epoch(1)
+    assert a.plan(num_workers=2)[0] != slots  # another epoch, another deal
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pad_yields_every_sample_and_equal_batches_on_every_rank(shards, world):
+    ranks = _keys_by_rank(shards, world)
+    assert len({len(r) for r in ranks}) == 1  # equal batch counts
+    keys = [k for r in ranks for b in r for k in b]
+    stream = fastmm.ShardStream(_dataset(shards), rank=0, world_size=world, seed=1)
+    _, per_slot = stream.plan(num_workers=2)
+    assert len(keys) == per_slot * world * 2
+    assert set(keys) == set(stream.dataset.source.keys())  # every sample at least once
+    extra = collections.Counter(keys)
+    assert sum(c - 1 for c in extra.values()) == per_slot * world * 2 - N  # only the padding
+
+
+def test_drop_yields_each_sample_at_most_once(shards):
+    ranks = _keys_by_rank(shards, 2, equal="drop")
+    assert len({len(r) for r in ranks}) == 1
+    keys = [k for r in ranks for b in r for k in b]
+    per_slot = fastmm.ShardStream(_dataset(shards), equal="drop", rank=0, world_size=2,
+                                  seed=1).plan(2)[1]
+    assert len(keys) == len(set(keys)) == per_slot * 4
+
+
+def test_a_skipped_sample_is_made_up_and_counts_stay_equal(shards, tmp_path):
+    import shutil
+
+    from fastmm.sources import ShardSource, write_shards
+
+    src = ShardSource(shards)
+    bad_key = src.keys()[5]
+    samples = []
+    for i in range(len(src)):
+        s = src.read(i)
+        members = dict(s.members)
+        if s.key == bad_key:
+            members["jpg"] = b"\xff\xd8 not a jpeg"
+        samples.append((s.key, members))
+    out = tmp_path / "damaged"
+    write_shards(samples, str(out), max_count=4)
+    ranks = _keys_by_rank(str(out), 2, dataset_kw={"on_error": "skip"})
+    assert len(ranks[0]) == len(ranks[1])
+    keys = [k for r in ranks for b in r for k in b]
+    per_slot = fastmm.ShardStream(_dataset(str(out)), rank=0, world_size=2, seed=1).plan(2)[1]
+    assert bad_key not in keys and len(keys) == per_slot * 4
+    shutil.rmtree(out)
+
+
+def test_too_few_shards_for_the_slots_is_a_clear_error(shards):
+    stream = fastmm.ShardStream(_dataset(shards), rank=0, world_size=N)  # N samples, < N shards
+    with pytest.raises(ValueError, match=f"shards cannot feed {N} ranks x 4 workers"):
+        stream.plan(num_workers=4)
+
+
+def test_files_are_not_shards(tmp_path):
+    write_corpus(CorpusSpec(num_images=3, num_videos=0, seed=1, png_fraction=0.0,
+                            image_short_side=(40, 60), large_fraction=0.0), str(tmp_path))
+    files = fastmm.MultimodalDataset(str(tmp_path / "posix"), source="posix", size=16)
+    with pytest.raises(ValueError, match="needs tar shards"):
+        fastmm.ShardStream(files)
+
+
+def test_set_epoch_reaches_persistent_workers(shards):
+    stream = fastmm.ShardStream(_dataset(shards), rank=0, world_size=1, seed=1)
+    loader = fastmm.DataLoader(stream, batch_size=4, num_workers=2, persistent_workers=True)
+    epochs = []
+    for epoch in range(2):
+        stream.set_epoch(epoch)
+        epochs.append([k for b in loader for k in b["key"]])
+    fresh = fastmm.ShardStream(_dataset(shards), rank=0, world_size=1, seed=1)
+    fresh.set_epoch(1)
+    expected = [k for b in fastmm.DataLoader(fresh, batch_size=4, num_workers=2) for k in b["key"]]
+    assert epochs[1] == expected and epochs[0] != epochs[1]
+
+
+def test_a_stream_resumes_mid_epoch(shards):
+    def make():
+        stream = fastmm.ShardStream(_dataset(shards, crop="random"), rank=1, world_size=2)
+        stream.set_epoch(3)
+        return fastmm.DataLoader(stream, batch_size=3, num_workers=2)
+
+    def rows(batch):
+        return [batch["key"], batch["image"].float().mean(dim=(1, 2, 3)).tolist()]
+
+    torch.manual_seed(0)
+    full = [rows(b) for b in make()]
+    for stop in (0, 1, 4, len(full) - 1):
+        torch.manual_seed(0)
+        loader = make()
+        it = iter(loader)
+        head = [rows(next(it)) for _ in range(stop)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        assert state["dataset"]["epoch"] == 3
+        del it
+        again = fastmm.DataLoader(fastmm.ShardStream(_dataset(shards, crop="random"), rank=1,
+                                                     world_size=2), batch_size=3, num_workers=2)
+        again.load_state_dict(state)
+        assert head + [rows(b) for b in again] == full, f"stop {stop}"
+    assert os.environ.get("RANK") is None  # the ranks above came from arguments
