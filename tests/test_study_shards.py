@@ -21,6 +21,13 @@ def test_sharded_storage_study_under_torchrun(tmp_path):
                                       "shards-2MB / world 2", "staged / world 2"}
     for name, r in result["results"].items():
         assert r["equal_batches"], name
+        assert r["reps"] == 2 and r["per_rank_samples_per_s"]["n"] == 2
         assert r["batches_per_epoch"] == 3  # 48 images over 2 ranks, batches of 8
-        assert r["per_rank_samples_per_s"]["median"] > 0 and 0 < r["slowest_over_fastest"] <= 1
-    assert result["results"]["staged / world 2"]["staging_s"] >= 0
+        assert r["per_rank_samples_per_s"]["median"] > 0
+        assert 0 < r["slowest_over_fastest"]["median"] <= 1
+        assert r["vs_files"]["n"] == 2  # paired with files round by round
+    files = result["results"]["files / world 2"]["vs_files"]
+    assert files["min"] == files["max"] == 1.0
+    assert result["results"]["staged / world 2"]["staging_s"]["median"] >= 0
+    table = (out / "shards.md").read_text()
+    assert "vs files" in table and "1.00x [1.00-1.00]" in table

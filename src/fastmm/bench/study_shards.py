@@ -4,10 +4,13 @@ first, under ``torchrun`` (gloo) at world size 2 and 4 on this machine. The one 
 data layout; decode (torchvision backend, fast path, 224 px), sampler (fastmm.DistributedSampler,
 seed 0), batch and workers are the same. Every rank all-reduces each step, as training would.
 
-Reported per layout and world size: per-rank throughput (median over ranks), the slowest rank
-against the fastest, startup (process start to the first batch, opening the layout included),
-staging cost where staged, and whether every rank yielded the same number of batches.
-Run: ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a smoke run).
+Reported per layout and world size, over ``--reps`` repetitions run interleaved (every
+configuration once per round): per-rank throughput (median over ranks) with its median and 95%
+CI over the repetitions, its ratio to the file-per-sample layout at the same world size (paired
+by round), the slowest rank against the fastest, startup (process start to the first batch,
+opening the layout included), staging cost where staged, and whether every rank yielded the same
+number of batches. Run: ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a
+smoke run).
 """
 
 from __future__ import annotations
@@ -86,54 +89,80 @@ def layouts(root: str, work: str, shard_sizes: list[int]) -> dict[str, str]:
     return out
 
 
+def run_job(name: str, path: str, world: int, work: str, args) -> dict:
+    """One torchrun job of a layout at a world size: its ranks' figures, condensed."""
+    out = os.path.join(work, f"{name}-{world}")
+    os.makedirs(out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", "-m", "fastmm.bench.study_shards", "--rank-job",
+           name, path, out, str(args.batch), str(args.num_workers), str(args.epochs)]
+    code = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True)
+    if code.returncode != 0:
+        return {"error": code.stderr[-2000:]}
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+    rates = [r["epochs"][-1]["samples_per_s"] for r in ranks]
+    figures = {
+        "rate": stats.summarize(rates)["median"],
+        "slowest_over_fastest": min(rates) / max(rates),
+        "startup_s": stats.summarize([r["epochs"][0]["first_batch_s"] for r in ranks])["median"],
+        "equal_batches": len({e["batches"] for r in ranks for e in r["epochs"]}) == 1,
+        "batches_per_epoch": ranks[0]["epochs"][-1]["batches"],
+    }
+    if "staging_cost" in ranks[0]:
+        figures["staging_s"] = max(r["staging_cost"]["seconds"] for r in ranks)
+    return figures
+
+
+def summarize_runs(key: str, figs: list[dict], runs: dict[str, list]) -> dict:
+    """A configuration over its repetitions; its throughput against files at the same world
+    size, paired by round."""
+    ok = [f for f in figs if "error" not in f]
+    if len(ok) < len(figs):
+        return {"error": next(f["error"] for f in figs if "error" in f)}
+    baseline = runs.get("files / world " + key.rsplit(" ", 1)[1], [])
+    entry = {
+        "reps": len(ok),
+        "per_rank_samples_per_s": stats.summarize([f["rate"] for f in ok]),
+        "vs_files": stats.summarize(stats.paired_ratios(
+            [f["rate"] for f in ok], [b.get("rate") for b in baseline])),
+        "slowest_over_fastest": stats.summarize([f["slowest_over_fastest"] for f in ok]),
+        "startup_s": stats.summarize([f["startup_s"] for f in ok]),
+        "equal_batches": all(f["equal_batches"] for f in ok),
+        "batches_per_epoch": ok[0]["batches_per_epoch"],
+    }
+    if "staging_s" in ok[0]:
+        entry["staging_s"] = stats.summarize([f["staging_s"] for f in ok])
+    return entry
+
+
 def run(args) -> dict:
     root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=0, seed=args.seed),
                            args.cache_dir)
     work = tempfile.mkdtemp(prefix="fastmm-shards-", dir=args.work_dir)
-    results = {}
+    runs: dict[str, list] = {}
     try:
         where = layouts(root, work, args.shard_bytes)
-        total = len(where) * len(args.worlds)
+        total = len(where) * len(args.worlds) * args.reps
         done = 0
-        for world in args.worlds:
-            for name, path in where.items():
-                out = os.path.join(work, f"run-{name}-{world}")
-                os.makedirs(out)
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={world}", "-m", "fastmm.bench.study_shards", "--rank-job",
-                       name, path, out, str(args.batch), str(args.num_workers), str(args.epochs)]
-                code = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                      capture_output=True, text=True)
-                done += 1
-                if code.returncode != 0:
-                    results[f"{name} / world {world}"] = {"error": code.stderr[-2000:]}
-                    print(f"[shards] {done}/{total} {name} world {world}: FAILED",
+        for rep in range(args.reps):  # interleaved: every configuration once per round
+            for world in args.worlds:
+                for name, path in where.items():
+                    figures = run_job(name, path, world, os.path.join(work, f"run-{rep}"), args)
+                    runs.setdefault(f"{name} / world {world}", []).append(figures)
+                    done += 1
+                    print(f"[shards] {done}/{total} round {rep + 1} {name} world {world}: "
+                          + ("FAILED" if "error" in figures else
+                             f"{figures['rate']:.1f} samples/s per rank"),
                           file=sys.stderr, flush=True)
-                    continue
-                ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
-                last = [r["epochs"][-1] for r in ranks]
-                rates = [e["samples_per_s"] for e in last]
-                entry = {
-                    "layout": name, "world": world,
-                    "per_rank_samples_per_s": stats.summarize(rates),
-                    "slowest_over_fastest": min(rates) / max(rates),
-                    "startup_s": stats.summarize([r["epochs"][0]["first_batch_s"] for r in ranks]),
-                    "equal_batches": len({e["batches"] for r in ranks for e in r["epochs"]}) == 1,
-                    "batches_per_epoch": last[0]["batches"],
-                }
-                if "staging_cost" in ranks[0]:
-                    entry["staging_s"] = max(r["staging_cost"]["seconds"] for r in ranks)
-                results[f"{name} / world {world}"] = entry
-                print(f"[shards] {done}/{total} {name} world {world}: "
-                      f"{entry['per_rank_samples_per_s']['median']:.1f} samples/s per rank",
-                      file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    results = {key: summarize_runs(key, figs, runs) for key, figs in runs.items()}
     return {"environment": env.capture(env.module_argv(__spec__, __name__),
                                        loader_config={"batch_size": args.batch,
                                                       "num_workers": args.num_workers},
                                        paths=[args.work_dir or tempfile.gettempdir()]),
-            "images": args.images, "epochs": args.epochs, "results": results}
+            "images": args.images, "epochs": args.epochs, "reps": args.reps, "results": results}
 
 
 def report(result: dict) -> str:
@@ -142,17 +171,24 @@ def report(result: dict) -> str:
              f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
              f"{e['cpu_count_usable']} cores (every rank of every world size shares them).", "",
              f"{result['images']} images; figures from the last of {result['epochs']} epochs "
-             "(startup from the first).", "",
-             "| layout / world | samples/s per rank, median [min-max] | slowest / fastest | "
-             "startup s | staging s | equal batches |", "|---|---|---|---|---|---|"]
+             f"(startup from the first); {result.get('reps', 1)} repetitions, interleaved; "
+             "median [95% CI] over them.", "",
+             "| layout / world | samples/s per rank | vs files | slowest / fastest | "
+             "startup s | staging s | equal batches |", "|---|---|---|---|---|---|---|"]
+
+    def ci(s, fmt=".1f", unit=""):
+        if s is None:
+            return "-"
+        return (f"{s['median']:{fmt}}{unit} [{s['ci95_low']:{fmt}}-{s['ci95_high']:{fmt}}]")
+
     for name, r in result["results"].items():
         if "error" in r:
-            lines.append(f"| {name} | FAILED | | | | |")
+            lines.append(f"| {name} | FAILED | | | | | |")
             continue
-        s = r["per_rank_samples_per_s"]
-        lines.append(f"| {name} | {s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}] | "
-                     f"{r['slowest_over_fastest']:.2f} | {r['startup_s']['median']:.2f} | "
-                     f"{r.get('staging_s', 0):.2f} | {'yes' if r['equal_batches'] else 'NO'} |")
+        lines.append(f"| {name} | {ci(r['per_rank_samples_per_s'])} | "
+                     f"{ci(r['vs_files'], '.2f', 'x')} | {ci(r['slowest_over_fastest'], '.2f')} | "
+                     f"{ci(r['startup_s'], '.2f')} | {ci(r.get('staging_s'), '.2f')} | "
+                     f"{'yes' if r['equal_batches'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -171,6 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5, help="repetitions, interleaved (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=str(default_cache_dir()))
     p.add_argument("--work-dir", default=None)
@@ -180,6 +217,7 @@ def main(argv=None) -> int:
     args.worlds = [int(x) for x in args.worlds.split(",")]
     if args.quick:
         args.images, args.worlds, args.shard_bytes, args.batch = 48, [2], [300_000, 2_000_000], 8
+        args.reps = 2
     result = run(args)
     save(args.out, "shards", result, report(result))
     return 0 if all("error" not in r for r in result["results"].values()) else 1
