@@ -108,11 +108,14 @@ def test_is_a_torch_dataloader():
     assert fastmm.get_worker_info is torch.utils.data.get_worker_info
 
 
-def test_signature_equals_torch():
-    ours = inspect.signature(fastmm.DataLoader)
-    theirs = inspect.signature(TorchDataLoader)
-    assert ours == theirs
-    assert inspect.signature(fastmm.DataLoader.__init__) == inspect.signature(TorchDataLoader.__init__)
+def test_signature_is_torch_plus_on_worker_failure():
+    for ours, theirs in ((fastmm.DataLoader, TorchDataLoader),
+                         (fastmm.DataLoader.__init__, TorchDataLoader.__init__)):
+        ours, theirs = inspect.signature(ours), inspect.signature(theirs)
+        extra = ours.parameters["on_worker_failure"]
+        assert extra.kind == extra.KEYWORD_ONLY and extra.default == "raise"
+        params = [p for name, p in ours.parameters.items() if name != "on_worker_failure"]
+        assert ours.replace(parameters=params) == theirs
 
 
 def test_positional_arguments_bind_like_torch():

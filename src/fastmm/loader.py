@@ -19,16 +19,20 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.multiprocessing
 import torch.utils.data
-from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
+from torch.utils.data import Dataset, IterDataPipe, MapDataPipe, Sampler, _DatasetKind
 from torch.utils.data import _utils as torch_utils
 from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
+    _collate_fn_t,
     _sharding_worker_init_fn,
     _SingleProcessDataLoaderIter,
+    _T_co,
+    _worker_init_fn_t,
 )
 
 from . import collate, resume
@@ -38,6 +42,7 @@ from .slabs import SlabRing
 from .telemetry import Telemetry
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
+_MAX_DEATHS_PER_TASK = 3  # a batch that kills a worker this often is the batch's fault
 _OPEN_CHANNELS: dict[int, tuple] = {}  # id(iterator) -> its result connections and fd sockets
 
 
@@ -48,6 +53,42 @@ class DataLoader(torch.utils.data.DataLoader):
         "slabs instead of a new shared-memory segment per tensor per batch.\n\n"
         + (torch.utils.data.DataLoader.__doc__ or "")
     )
+
+    def __init__(
+        self,
+        dataset: Dataset[_T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
+        num_workers: int = 0,
+        collate_fn: _collate_fn_t | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: _worker_init_fn_t | None = None,
+        multiprocessing_context=None,
+        generator=None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        on_worker_failure: str = "raise",
+    ) -> None:
+        """torch's arguments, plus ``on_worker_failure``: "raise" (torch's behaviour: a worker
+        killed by a signal or gone is an error naming it) or "respawn" (a new worker takes its
+        place and gets its unfinished batches again, from its RNG states: nothing lost or
+        repeated, the same batches in the same order as without the failure)."""
+        if on_worker_failure not in ("raise", "respawn"):
+            raise ValueError(f"on_worker_failure={on_worker_failure!r}; use 'raise' or 'respawn'")
+        super().__init__(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order,
+        )
+        self.on_worker_failure = on_worker_failure
 
     def __iter__(self):
         config = TelemetryConfig.from_env()
@@ -192,52 +233,97 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             self._prefetch_factor + 1, pin=pin, unpin=unpin, lean=transport.slab_memory == "lean"
         )
         self._workers_done_event = context.Event()
-        self._index_queues = []
-        self._workers = []
-        self._result_conns = []
-        self._fd_socks = []
+        self._context, self._transport = context, transport
+        self._respawn = loader.on_worker_failure == "respawn"
+        self._index_queues = [None] * self._num_workers
+        self._workers = [None] * self._num_workers
+        self._result_conns = [None] * self._num_workers
+        self._fd_socks = [None] * self._num_workers
+        # the slab ring knows a worker by its channel: a respawned worker gets a new one, so
+        # its slab ids cannot meet those of the batches its predecessor left in the loop's hands
+        self._channels = list(range(self._num_workers))
+        self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
         for worker_id in range(self._num_workers):
-            index_queue = context.Queue()
-            index_queue.cancel_join_thread()
-            result_recv, result_send = context.Pipe(duplex=False)
-            fd_main, fd_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            process = context.Process(
-                target=worker_loop,
-                args=(
-                    self._dataset_kind,
-                    self._dataset,
-                    index_queue,
-                    result_send,
-                    fd_worker,
-                    self._workers_done_event,
-                    self._auto_collation,
-                    self._collate_fn,
-                    self._drop_last,
-                    self._base_seed,
-                    self._worker_init_fn,
-                    worker_id,
-                    self._num_workers,
-                    self._shared_seed,
-                    transport,
-                    self._worker_resume(worker_id, restore),
-                ),
-                name=f"fastmm-worker-{worker_id}",
-                daemon=True,
-            )
-            process.start()
-            result_send.close()
-            fd_worker.close()
-            self._index_queues.append(index_queue)
-            self._workers.append(process)
-            self._result_conns.append(result_recv)
-            self._fd_socks.append(fd_main)
+            self._start_worker(worker_id, self._worker_resume(worker_id, restore))
+        if restore is not None and restore.base_seed is not None:
+            self._last_rng = list(restore.worker_rng)
         # Held outside the iterator as well: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
-        torch_utils.signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
-        torch_utils.signal_handling._set_SIGCHLD_handler()
-        self._worker_pids_set = True
+        if not self._respawn:  # else a worker's death is this iterator's to handle, not torch's
+            torch_utils.signal_handling._set_worker_pids(
+                id(self), tuple(w.pid for w in self._workers))
+            torch_utils.signal_handling._set_SIGCHLD_handler()
+            self._worker_pids_set = True
         self._reset(loader, first_iter=True)
+
+    def _start_worker(self, worker_id: int, restore: tuple) -> None:
+        index_queue = self._context.Queue()
+        index_queue.cancel_join_thread()
+        result_recv, result_send = self._context.Pipe(duplex=False)
+        fd_main, fd_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        process = self._context.Process(
+            target=worker_loop,
+            args=(
+                self._dataset_kind,
+                self._dataset,
+                index_queue,
+                result_send,
+                fd_worker,
+                self._workers_done_event,
+                self._auto_collation,
+                self._collate_fn,
+                self._drop_last,
+                self._base_seed,
+                self._worker_init_fn,
+                worker_id,
+                self._num_workers,
+                self._shared_seed,
+                self._transport,
+                restore,
+            ),
+            name=f"fastmm-worker-{worker_id}",
+            daemon=True,
+        )
+        process.start()
+        result_send.close()
+        fd_worker.close()
+        self._index_queues[worker_id] = index_queue
+        self._workers[worker_id] = process
+        self._result_conns[worker_id] = result_recv
+        self._fd_socks[worker_id] = fd_main
+
+    def _replace_worker(self, worker_id: int) -> None:
+        """on_worker_failure="respawn": a new worker in the place of a dead one, from the RNG
+        states after the last batch received from it (an IterableDataset worker also pulls and
+        drops what was received), given the dead one's unfinished tasks again, in order."""
+        lost = sorted(i for i, info in self._task_info.items()
+                      if info[0] == worker_id and len(info) == 1)
+        for i in lost:
+            self._task_deaths[i] = self._task_deaths.get(i, 0) + 1
+            if self._task_deaths[i] > _MAX_DEATHS_PER_TASK:
+                why = _signal_name(self._workers[worker_id].exitcode)
+                raise RuntimeError(
+                    f"DataLoader worker {worker_id} died {self._task_deaths[i]} times on the "
+                    f"same batch (indices {self._task_index[i]}; last: {why}); not respawning"
+                )
+        old = self._workers[worker_id]
+        if old.is_alive():  # its channel broke but it lingers: it must not write on
+            old.terminate()
+        old.join(timeout=_STATUS_CHECK_INTERVAL_S)
+        self._result_conns[worker_id].close()
+        self._fd_socks[worker_id].close()
+        self._index_queues[worker_id].close()
+        self._ring.forget(self._channels[worker_id])
+        self._channels[worker_id] = max(self._channels) + 1
+        skip = 0
+        if self._dataset_kind == _DatasetKind.Iterable:
+            skip = self._received[worker_id] * (
+                self._index_sampler.batch_size if self._auto_collation else 1)
+        self._start_worker(worker_id, (self._last_rng[worker_id], skip))
+        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
+        for i in lost:
+            self._index_queues[worker_id].put(("task", i, self._task_index[i], 0.0))
 
     def _worker_resume(self, worker_id: int, restore: resume.Progress | None):
         """(RNG states to set, IterableDataset samples to drop) for a restored worker."""
@@ -264,6 +350,10 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._rcvd_idx = 0  # next task to return
         self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
         self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
+        self._task_index: dict[int, object] = {}  # idx -> its indices, until its result comes
+        self._task_deaths: dict[int, int] = {}  # idx -> workers that died while it was theirs
+        # batches received from each worker this epoch (a restored one had skipped its own)
+        self._received = list(self._progress.worker_batches) if first_iter else [0] * self._num_workers
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -288,7 +378,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
     # -- receiving ---------------------------------------------------------------------------
 
     def _return_slabs(self) -> None:
-        for worker_id, (release, destroy) in self._ring.drain().items():
+        for channel, (release, destroy) in self._ring.drain().items():
+            worker_id = self._channels.index(channel)
             if self._workers[worker_id].is_alive():
                 self._index_queues[worker_id].put(("slabs", release, destroy))
 
@@ -321,6 +412,10 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             for i in range(self._num_workers)
             if self._workers_status[i] and (i in silent or not self._workers[i].is_alive())
         ]
+        if failed and self._respawn:
+            for i in failed:
+                self._replace_worker(i)
+            return False, None
         if failed:
             for i in failed:
                 self._mark_worker_as_unavailable(i)
@@ -337,11 +432,14 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         if message[0] == "resumed":
             return "resumed", None
         send_idx, status, payload, used, new, rng = message
+        self._received[worker_id] += 1
+        self._task_index.pop(send_idx, None)
         if rng is not None:
-            self._task_rng[send_idx] = rng
+            self._task_rng[send_idx] = self._last_rng[worker_id] = rng
+        channel = self._channels[worker_id]
         if new:
-            self._ring.receive(worker_id, self._fd_socks[worker_id], new)
-        views = self._ring.lend(worker_id, used)
+            self._ring.receive(channel, self._fd_socks[worker_id], new)
+        views = self._ring.lend(channel, used)
         if status == "end":
             return send_idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
         return send_idx, collate.unpack(payload, views)
@@ -429,6 +527,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             ("task", self._send_idx, index, self._ring.loop_spare_s)
         )
         self._task_info[self._send_idx] = (worker_id,)
+        self._task_index[self._send_idx] = index
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1

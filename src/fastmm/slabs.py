@@ -235,6 +235,7 @@ class SlabRing:
         self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
         self._step_s = 0.0  # how long the loop's last step took, waiting for data included
         self._closed = False
+        self._gone: set[int] = set()  # workers that died (on_worker_failure="respawn")
         _raise_fd_limit()
 
     def receive(self, worker_id: int, fd_sock: socket.socket, new: list[tuple[int, int]]) -> None:
@@ -295,12 +296,23 @@ class SlabRing:
         cost = _READ_REMAP_S_PER_BYTE * len(self._maps[key])
         return self._lean or self._step_s >= max(IDLE_TRIM_S, 5 * cost)
 
+    def forget(self, worker_id: int) -> None:
+        """A worker is gone: unmap its free slabs now and its lent ones when they come back."""
+        self._gone.add(worker_id)
+        for key in [k for k, held in self._held.items() if k[0] == worker_id and not held]:
+            del self._held[key]
+            self._unmap(key)
+
     def drain(self) -> dict[int, tuple[list[int], list[int]]]:
         """Slabs released since the last call, per worker: (to reuse, to destroy)."""
         out: dict[int, tuple[list[int], list[int]]] = {}
         while self._released:
             key = self._released.popleft()
             worker_id, slab_id = key
+            if worker_id in self._gone:  # nobody to give it back to
+                self._held.pop(key, None)
+                self._unmap(key)
+                continue
             self._held[key] = False
             free = sum(1 for k, held in self._held.items() if k[0] == worker_id and not held)
             release, destroy = out.setdefault(worker_id, ([], []))

@@ -1,0 +1,140 @@
+"""on_worker_failure="respawn": workers killed at random over a long epoch are replaced and
+their unfinished batches made again -- the run yields exactly the fault-free run's batches
+(ids, order and augmentation draws); a batch that keeps killing its worker is an error."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import fastmm
+
+from _resume_job import Augmented, AugmentedStream
+
+
+class SlowAugmented(Augmented):
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return super().__getitem__(i)
+
+
+class KillsOn(Dataset):
+    """Index ``bad`` kills its worker (every time)."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def _seed(seed=0):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _run(make, kills: set[int], sig=signal.SIGKILL):
+    """All batches of one epoch; after each batch number in ``kills``, a worker is killed."""
+    _seed()
+    loader = make()
+    it = iter(loader)
+    picker = random.Random(1)
+    out, pids, killed = [], set(), set()
+    for n, batch in enumerate(it):
+        out.append(batch.tolist())
+        pids.update(w.pid for w in it._workers)
+        if n in kills:
+            victim = it._workers[picker.randrange(len(it._workers))].pid
+            os.kill(victim, sig)  # (a worker already dead and not yet replaced: no new death)
+            killed.add(victim)
+    return out, (len(pids), len(killed))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
+def test_random_kills_lose_nothing_and_change_nothing(sig, transport):
+    def make():
+        return fastmm.DataLoader(SlowAugmented(400), batch_size=4, shuffle=True, num_workers=2,
+                                 prefetch_factor=3, on_worker_failure="respawn")
+
+    clean, _ = _run(make, set())
+    kills = set(random.Random(7).sample(range(2, 95), 12))
+    faulty, (processes, killed) = _run(make, kills, sig)
+    assert killed >= len(kills) // 2 and processes >= 2 + killed  # each death was replaced
+    assert faulty == clean  # every id once, same order, same augmentation draws
+    assert sorted(row[0] for b in faulty for row in b) == list(range(400))
+
+
+def test_respawn_with_persistent_workers_over_two_epochs():
+    def make():
+        return fastmm.DataLoader(SlowAugmented(60), batch_size=3, shuffle=True, num_workers=2,
+                                 persistent_workers=True, on_worker_failure="respawn")
+
+    def two_epochs(kill: bool):
+        _seed()
+        loader = make()
+        out = []
+        for epoch in range(2):
+            it = iter(loader)
+            for n, batch in enumerate(it):
+                out.append(batch.tolist())
+                if kill and n in (3, 11):
+                    os.kill(it._workers[n % 2].pid, signal.SIGKILL)
+        return out
+
+    assert two_epochs(True) == two_epochs(False)
+
+
+def test_respawn_an_iterable_dataset_worker():
+    def make():
+        return fastmm.DataLoader(AugmentedStream(), batch_size=2, num_workers=2,
+                                 on_worker_failure="respawn")
+
+    clean, _ = _run(make, set())
+    faulty, _ = _run(make, {1, 4, 6})
+    assert faulty == clean
+
+
+def test_a_batch_that_keeps_killing_its_worker_is_an_error():
+    loader = fastmm.DataLoader(KillsOn(13), batch_size=2, num_workers=2,
+                               on_worker_failure="respawn")
+    with pytest.raises(RuntimeError, match=r"died 4 times on the same batch \(indices \[12, 13\]"):
+        list(loader)
+
+
+def test_without_respawn_a_killed_worker_is_still_an_error():
+    loader = fastmm.DataLoader(KillsOn(5), batch_size=2, num_workers=2)
+    with pytest.raises(RuntimeError, match="exited unexpectedly|killed by signal"):
+        list(loader)
+
+
+def test_on_worker_failure_is_checked():
+    with pytest.raises(ValueError, match="on_worker_failure='sometimes'"):
+        fastmm.DataLoader(Augmented(), on_worker_failure="sometimes")
+
+
+def test_telemetry_counts_the_respawned_workers():
+    from fastmm.telemetry import Telemetry
+
+    loader = fastmm.DataLoader(SlowAugmented(80), batch_size=4, num_workers=2,
+                               on_worker_failure="respawn")
+    tm = Telemetry()
+    ids = []
+    for n, batch in enumerate(tm.watch(loader)):
+        ids += [row[0] for row in batch.tolist()]
+        if n in (2, 9):
+            os.kill(tm._workers()[n % 2], signal.SIGKILL)
+    assert sorted(ids) == list(range(80))
+    assert tm.summary()["metrics"]["worker_restarts"] == 2
