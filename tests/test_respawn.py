@@ -138,3 +138,12 @@ def test_telemetry_counts_the_respawned_workers():
             os.kill(tm._workers()[n % 2], signal.SIGKILL)
     assert sorted(ids) == list(range(80))
     assert tm.summary()["metrics"]["worker_restarts"] == 2
+
+
+def test_a_persistent_worker_killed_between_epochs_is_replaced():
+    loader = fastmm.DataLoader(Augmented(23), batch_size=3, shuffle=True, num_workers=2,
+                               persistent_workers=True, on_worker_failure="respawn")
+    assert sorted(r[0] for b in loader for r in b.tolist()) == list(range(23))
+    os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)  # idle, waiting for an epoch
+    time.sleep(0.2)
+    assert sorted(r[0] for b in loader for r in b.tolist()) == list(range(23))

@@ -196,7 +196,10 @@ def test_a_state_at_an_epoch_boundary_moves_to_another_worker_count():
     _seed_main(0)
     full = _batches(make(2))
     _seed_main(0)
-    head, state, rng = _batches(make(2), len(full) // EPOCHS)
+    first = make(2)
+    head = [b.tolist() for b in first]  # the epoch ran out: the state is between epochs
+    state, rng = json.loads(json.dumps(first.state_dict())), resume.capture_rng()
+    assert state["epoch_done"]
     tail = _resumed(lambda: make(3), state, rng, len(full) - len(head))
     assert [[row[0] for row in b] for b in head + tail] == [[row[0] for row in b] for b in full]
     assert tail != full[len(head):]  # other workers, other draws: it really changed layout

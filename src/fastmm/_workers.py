@@ -148,6 +148,8 @@ def worker_loop(
             try:
                 message = index_queue.get(timeout=idle_timeout)
             except queue.Empty:
+                if done_event.is_set():  # told to stop, but the exit message is not coming
+                    break
                 if idle_timeout == IDLE_WORKER_S:  # no work for a while: unmap the ring here
                     writer.trim()
                 idle_timeout = MP_STATUS_CHECK_INTERVAL

@@ -105,6 +105,10 @@ class DataLoader(torch.utils.data.DataLoader):
         if self.num_workers == 0:
             return _SingleProcessIter(self, restore)
         self.check_worker_number_rationality()
+        from . import doctor  # (not at import: python -m fastmm.doctor runs it as __main__)
+
+        doctor.warn_once(self.__dict__.setdefault("_fastmm_findings", set()),
+                         doctor.loader_findings(self))
         return _SlabDataLoaderIter(self, restore)
 
     def state_dict(self) -> dict:
@@ -235,6 +239,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._workers_done_event = context.Event()
         self._context, self._transport = context, transport
         self._respawn = loader.on_worker_failure == "respawn"
+        self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
+        self._shm_checked = 0  # the largest ring size checked against free shared memory
+        self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
         self._index_queues = [None] * self._num_workers
         self._workers = [None] * self._num_workers
         self._result_conns = [None] * self._num_workers
@@ -321,6 +328,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             skip = self._received[worker_id] * (
                 self._index_sampler.batch_size if self._auto_collation else 1)
         self._start_worker(worker_id, (self._last_rng[worker_id], skip))
+        self._awaiting_resume.discard(worker_id)
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
         for i in lost:
             self._index_queues[worker_id].put(("task", i, self._task_index[i], 0.0))
@@ -367,15 +375,26 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                 epoch = None
             for index_queue in self._index_queues:
                 index_queue.put(("resume", self._shared_seed, epoch))
-            pending = self._num_workers
-            while pending > 0:
-                idx, _ = self._get_data()
+            self._awaiting_resume = set(range(self._num_workers))  # a respawned one starts anew
+            while self._awaiting_resume:
+                idx, worker_id = self._get_data()
                 if idx == "resumed":
-                    pending -= 1
+                    self._awaiting_resume.discard(worker_id)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
     # -- receiving ---------------------------------------------------------------------------
+
+    def _check_shared_memory(self, slab_bytes: int) -> None:
+        """Once batches show their size: will the rings fit? (Warned once per loader.)"""
+        from . import doctor
+
+        need = doctor.ring_bytes(self._num_workers, self._prefetch_factor, slab_bytes)
+        if need > self._shm_checked:
+            self._shm_checked = need
+            finding = doctor.shm_finding(need, self._transport.shm_dir, held=self._ring.nbytes)
+            if finding:
+                doctor.warn_once(self._findings_said, [finding])
 
     def _return_slabs(self) -> None:
         for channel, (release, destroy) in self._ring.drain().items():
@@ -415,7 +434,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         if failed and self._respawn:
             for i in failed:
                 self._replace_worker(i)
-            return False, None
+            return True, ("respawned", failed)  # the caller looks again at what it waits for
         if failed:
             for i in failed:
                 self._mark_worker_as_unavailable(i)
@@ -430,7 +449,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
     def _receive(self, worker_id: int):
         message = self._result_conns[worker_id].recv()
         if message[0] == "resumed":
-            return "resumed", None
+            return "resumed", worker_id
         send_idx, status, payload, used, new, rng = message
         self._received[worker_id] += 1
         self._task_index.pop(send_idx, None)
@@ -439,6 +458,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         channel = self._channels[worker_id]
         if new:
             self._ring.receive(channel, self._fd_socks[worker_id], new)
+            self._check_shared_memory(max(capacity for _, capacity in new))
         views = self._ring.lend(channel, used)
         if status == "end":
             return send_idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
@@ -482,7 +502,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
 
             assert not self._shutdown and self._tasks_outstanding > 0
             idx, data = self._get_data()
-            if idx == "resumed":
+            if idx in ("resumed", "respawned"):
                 continue
             self._tasks_outstanding -= 1
             if self._dataset_kind == _DatasetKind.Iterable and isinstance(
@@ -548,7 +568,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._index_queues[worker_id].put(None)
         self._workers_status[worker_id] = False
 
-    def _shutdown_workers(self) -> None:
+    def _shutdown_workers(self, join_s: float = _STATUS_CHECK_INTERVAL_S) -> None:
         if torch_utils is None or torch_utils.python_exit_status in (True, None):
             return
         if self._shutdown:
@@ -561,8 +581,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                     self._mark_worker_as_unavailable(worker_id, shutdown=True)
             for conn in self._result_conns:  # a worker blocked on sending gets EPIPE and exits
                 conn.close()
+            deadline = time.monotonic() + join_s
             for process in self._workers:
-                process.join(timeout=_STATUS_CHECK_INTERVAL_S)
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
             for index_queue in self._index_queues:
                 index_queue.cancel_join_thread()
                 index_queue.close()
@@ -581,6 +602,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             self._ring.close()
 
     def __del__(self) -> None:
-        # only where it was made: a forked child may collect its copy of an iterator
+        # only where it was made: a forked child may collect its copy of an iterator. The
+        # garbage collector may run this in any thread, even the feeder thread of one of our
+        # index queues, which then cannot deliver the workers' exit message: wait briefly,
+        # then terminate them (they hold nothing anyone still reads).
         if hasattr(self, "_ring") and self._owner_pid == os.getpid():
-            self._shutdown_workers()
+            self._shutdown_workers(join_s=0.2)

@@ -275,17 +275,6 @@ def _len_or_none(dataset) -> int | None:
         return None
 
 
-def _all_handed_out(loader, p: Progress) -> bool:
-    from torch.utils.data import IterableDataset
-
-    if isinstance(loader.dataset, IterableDataset):
-        return False
-    try:
-        return p.batches >= len(loader._index_sampler)
-    except TypeError:  # a sampler without a length
-        return False
-
-
 def encode(loader, progress: Progress | None) -> dict:
     if loader.num_workers > 0 and not loader.in_order:
         raise ValueError(
@@ -293,8 +282,6 @@ def encode(loader, progress: Progress | None) -> dict:
             "on which worker finishes first, so no saved state can promise the same batches"
         )
     p = progress or Progress(loader.num_workers, done=True)
-    if p.mid_epoch and _all_handed_out(loader, p):
-        p = dataclasses.replace(p, done=True)  # nothing left: the state is between epochs
     sampler = _sampler_with_state(loader)
     # the workers that make the next batch: this iterator's, or (between epochs) fresh ones
     same_workers = loader.num_workers > 0 and (p.mid_epoch or loader.persistent_workers)

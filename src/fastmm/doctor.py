@@ -1,0 +1,148 @@
+"""Pre-flight checks: what will make a loader fail or slow down later, said before it does.
+
+``fastmm.DataLoader`` warns of ``loader_findings`` when its workers start (each finding once per
+loader, as a ``FastmmWarning``) and checks shared memory against the ring once the first batch
+shows its size. ``python -m fastmm.doctor`` (or ``fastmm-doctor``) prints the same checks for
+this machine and, given a batch size in bytes, the shared memory a configuration needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import sys
+import warnings
+
+import torch
+
+from .config import TransportConfig
+
+LARGE_PYTHON_CONTAINER = 100_000  # items: each one's refcount write in a worker copies a page
+
+
+class FastmmWarning(UserWarning):
+    """A pre-flight finding: the loader runs, but something here will hurt."""
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def ring_bytes(num_workers: int, prefetch_factor: int, batch_bytes: int) -> int:
+    """Shared memory a steady loop's slab rings hold (docs/loader.md): each worker keeps
+    ``prefetch_factor + 1`` free slabs plus the one in the loop's hands."""
+    return num_workers * (prefetch_factor + 2) * batch_bytes
+
+
+def shm_finding(need: int, shm_dir: str | None = None, held: int = 0) -> str | None:
+    """Why ``need`` bytes of slabs will not fit in the shared-memory directory, or None."""
+    shm_dir = shm_dir or TransportConfig.from_env().shm_dir
+    try:
+        usage = shutil.disk_usage(shm_dir)
+    except OSError as e:
+        return f"{shm_dir} is not usable for shared memory: {e}"
+    if need <= usage.free + held:
+        return None
+    return (f"the slab rings will need about {need / 2**20:,.0f} MiB of shared memory but "
+            f"{shm_dir} has {(usage.free + held) / 2**20:,.0f} MiB free (of "
+            f"{usage.total / 2**20:,.0f}): a new slab will fail with SharedMemoryError. Give the "
+            "container more (docker --shm-size), set FASTMM_SHM_DIR to a larger tmpfs, or lower "
+            "batch_size, num_workers or prefetch_factor")
+
+
+def large_containers(dataset, limit: int = LARGE_PYTHON_CONTAINER) -> list[str]:
+    """Attributes of ``dataset`` that are Python lists, tuples or dicts of ``limit`` or more
+    items: every worker touches their objects' refcounts and so copies the pages they sit on
+    (copy-on-read), growing each worker's memory towards the whole container's."""
+    found = []
+    for name, value in vars(dataset).items() if hasattr(dataset, "__dict__") else ():
+        if isinstance(value, (list, tuple, dict)) and len(value) >= limit:
+            found.append(f"{type(dataset).__name__}.{name} ({type(value).__name__} of "
+                         f"{len(value):,} items)")
+    return found
+
+
+def loader_findings(loader) -> list[str]:
+    findings = []  # (more workers than cores: torch's own check already warns)
+    big = large_containers(loader.dataset)
+    if big and loader.num_workers > 0:
+        findings.append(
+            "the dataset holds large Python containers: " + ", ".join(big) + ". Each worker's "
+            "memory grows towards their full size as it reads them (refcount writes copy pages); "
+            "keep them as NumPy arrays, bytes or Arrow instead")
+    method = loader.multiprocessing_context
+    method = method.get_start_method() if method is not None else (
+        multiprocessing.get_start_method(allow_none=True) or "fork")
+    if loader.num_workers > 0 and method == "fork" and torch.cuda.is_initialized():
+        findings.append(
+            "CUDA is initialised in this process and workers start by fork: CUDA cannot be used "
+            "in them (it fails with 'Cannot re-initialize CUDA in forked subprocess'). Keep CUDA "
+            "out of the dataset and collate_fn, or use multiprocessing_context='spawn'")
+    return findings
+
+
+def warn_once(said: set, findings) -> None:
+    """Warn of each finding not in ``said`` (a loader's: once per loader), and add it there."""
+    for finding in findings:
+        if finding not in said:
+            said.add(finding)
+            warnings.warn(f"fastmm: {finding}", FastmmWarning, stacklevel=4)
+
+
+def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | None) -> tuple[str, bool]:
+    """The machine's findings as text, and whether any is a problem."""
+    config = TransportConfig.from_env()
+    lines, problem = [], False
+    cores = usable_cores()
+    lines.append(f"cores usable by this process: {cores}")
+    try:
+        usage = shutil.disk_usage(config.shm_dir)
+        lines.append(f"shared memory ({config.shm_dir}): {usage.free / 2**20:,.0f} MiB free of "
+                     f"{usage.total / 2**20:,.0f} MiB")
+    except OSError as e:
+        lines.append(f"shared memory ({config.shm_dir}): NOT USABLE: {e}")
+        problem = True
+    lines.append(f"worker start method: {multiprocessing.get_start_method(allow_none=True) or 'fork'}")
+    from .slabs import uses_cpp
+
+    lines.append("slab transport: " + ("C++ (fastmm._C)" if uses_cpp() else
+                                       "pure Python (fastmm._C not importable or disabled)"))
+    if num_workers is not None:
+        if num_workers > cores:
+            lines.append(f"PROBLEM: {num_workers} workers for {cores} cores")
+            problem = True
+        if batch_bytes is not None:
+            need = ring_bytes(num_workers, prefetch_factor, batch_bytes)
+            finding = shm_finding(need, config.shm_dir)
+            lines.append(f"slab rings for {num_workers} workers x (prefetch {prefetch_factor} + 2)"
+                         f" x {batch_bytes / 2**20:,.1f} MiB batches: {need / 2**20:,.0f} MiB")
+            if finding:
+                lines.append("PROBLEM: " + finding)
+                problem = True
+    lines.append("OK" if not problem else "problems found")
+    return "\n".join(lines), problem
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fastmm-doctor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-workers", type=int, default=None)
+    p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--batch-mb", type=float, default=None,
+                   help="bytes of one batch's tensors, in MiB (e.g. 32 clips of 16x3x224x224: 74)")
+    args = p.parse_args(argv)
+    if args.batch_mb is not None and args.num_workers is None:
+        p.error("--batch-mb needs --num-workers")
+    batch = None if args.batch_mb is None else int(args.batch_mb * 2**20)
+    text, problem = report(args.num_workers, args.prefetch_factor, batch)
+    print(text)
+    return 1 if problem else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

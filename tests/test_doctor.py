@@ -1,0 +1,87 @@
+"""Pre-flight checks: the loader's warnings at start (large Python containers in the dataset,
+CUDA before fork) and at its first batch (shared memory too small for its rings), and the
+``fastmm-doctor`` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import fastmm
+from fastmm import doctor
+
+from _shm import private_tmpfs
+
+
+class ListHolder(Dataset):
+    def __init__(self, n):
+        self.paths = [f"img/{i}.jpg" for i in range(n)]
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return i
+
+
+class Big(Dataset):
+    """3 MiB per sample."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.full((3 << 20,), i, dtype=torch.uint8)
+
+
+def _findings(loader, epochs=1):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(epochs):
+            list(loader)
+    return [str(w.message) for w in caught if issubclass(w.category, doctor.FastmmWarning)]
+
+
+def test_a_large_python_list_in_the_dataset_is_named_once():
+    loader = fastmm.DataLoader(ListHolder(200_000), batch_size=2, num_workers=2)
+    found = _findings(loader, epochs=2)
+    assert len(found) == 1 and "ListHolder.paths (list of 200,000 items)" in found[0]
+    assert _findings(fastmm.DataLoader(ListHolder(10), batch_size=2, num_workers=2)) == []
+    assert _findings(fastmm.DataLoader(ListHolder(200_000), batch_size=2)) == []  # no workers
+
+
+def test_shared_memory_too_small_for_the_rings_is_said_at_the_first_batch(monkeypatch):
+    with private_tmpfs("16m") as path:
+        monkeypatch.setenv("FASTMM_SHM_DIR", path)
+        loader = fastmm.DataLoader(Big(), batch_size=1, num_workers=2)
+        found = _findings(loader)
+        assert len(found) == 1
+        assert "24 MiB of shared memory" in found[0] and path in found[0]
+        assert "SharedMemoryError" in found[0]
+        monkeypatch.setenv("FASTMM_SHM_DIR", "/dev/shm")
+        assert _findings(fastmm.DataLoader(Big(), batch_size=1, num_workers=2)) == []
+
+
+def test_ring_bytes_follow_the_documented_formula():
+    assert doctor.ring_bytes(8, 2, 77_000_000) == 8 * 4 * 77_000_000
+
+
+def test_the_doctor_command_reports_and_flags_problems():
+    ok = subprocess.run([sys.executable, "-m", "fastmm.doctor"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "shared memory (" in ok.stdout and ok.stdout.endswith("OK\n")
+    huge = subprocess.run([sys.executable, "-m", "fastmm.doctor", "--num-workers", "1",
+                           "--batch-mb", str(10**9)], capture_output=True, text=True)
+    assert huge.returncode == 1 and "PROBLEM: the slab rings will need" in huge.stdout
+    assert "RuntimeWarning" not in huge.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to initialise it")
+def test_cuda_before_fork_is_said():
+    torch.cuda.init()
+    found = _findings(fastmm.DataLoader(ListHolder(1), batch_size=2, num_workers=2))
+    assert any("Cannot re-initialize CUDA" in f for f in found)
