@@ -6,11 +6,13 @@ documented API but NOT tested here: it needs a check on a GPU machine.
 
 from __future__ import annotations
 
+import io
 import warnings
 from typing import Callable
 
 import torch
 import torchvision.io as tvio
+from PIL import Image
 
 from .base import (
     CropPlan,
@@ -23,9 +25,16 @@ from .base import (
     to_rgb_chw,
 )
 from .pil import Decoder as PilDecoder
+from .pil import _to_tensor as pil_to_tensor
 
 
 def _decode(data: bytes) -> torch.Tensor:
+    """JPEGs through torchvision (libjpeg-turbo), other formats through Pillow: torchvision's PNG
+    decoder killed the process (SIGSEGV after "libpng error: IDAT: invalid distance too far
+    back") on damaged PNGs here, where Pillow raises; a PNG's pixels are the same either way."""
+    if not data.startswith(b"\xff\xd8"):
+        with Image.open(io.BytesIO(data)) as im:
+            return pil_to_tensor(im)
     # torchvision 0.29 warns on every decode that torchcodec supersedes it; picking this backend
     # is the user's informed choice (torchcodec is a backend too), so the warning is noise
     with warnings.catch_warnings():
