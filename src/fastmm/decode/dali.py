@@ -8,11 +8,21 @@ Images only; DALI's video readers want files and whole pipelines, not a bytes-in
 
 from __future__ import annotations
 
+import gc
+import os
+
 import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from .base import DecodeLimits, LibraryDecoder
+
+
+# A DALI pipeline that became cyclic garbage must not be finalized in a forked child: its
+# destructor waits on the executor's threads, which the child does not have, and the child hangs
+# (seen: a DataLoader worker stuck in ~Executor2 under the garbage collector). Objects a child
+# inherits are frozen there, out of the collector's reach; their memory is the parent's anyway.
+os.register_at_fork(after_in_child=gc.freeze)
 
 
 class Decoder(LibraryDecoder):
