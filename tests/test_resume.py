@@ -78,6 +78,12 @@ def _check_resume_everywhere(make, stops):
         assert head + tail == full, f"resumed at batch {stop}: batches differ"
 
 
+def _shuffled(**changes):
+    """The loader most tests here restore: shuffled, 2 workers, batches of 4."""
+    return fastmm.DataLoader(Augmented(), **(dict(batch_size=4, shuffle=True, num_workers=2)
+                                            | changes))
+
+
 def _stops(per_epoch):
     # 0, 1, inside the prefetch window, the last batch, the epoch boundary, into epoch 2
     return [0, 1, 4, per_epoch - 1, per_epoch, per_epoch + 2]
@@ -128,44 +134,36 @@ def test_resume_an_iterable_dataset(num_workers):
 
 
 def test_a_resumed_loader_can_be_saved_and_resumed_again():
-    def make():
-        return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2)
-
     _seed_main(0)
-    full = _batches(make())
+    full = _batches(_shuffled())
     _seed_main(0)
-    head, state, rng = _batches(make(), 2)
+    head, state, rng = _batches(_shuffled(), 2)
     _seed_main(5)
-    loader = make()
+    loader = _shuffled()
     loader.load_state_dict(state)
     resume.apply_rng(rng)
     it = iter(loader)
     middle = [next(it).tolist() for _ in range(3)]
     state2, rng2 = json.loads(json.dumps(loader.state_dict())), resume.capture_rng()
     del it
-    tail = _resumed(make, state2, rng2, len(full) - 5)
+    tail = _resumed(_shuffled, state2, rng2, len(full) - 5)
     assert head + middle + tail == full
 
 
 def test_state_right_after_load_is_the_loaded_state():
-    def make():
-        return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2)
-
     _seed_main(0)
-    _, state, _ = _batches(make(), 3)
-    loader = make()
+    _, state, _ = _batches(_shuffled(), 3)
+    loader = _shuffled()
     loader.load_state_dict(state)
     assert json.loads(json.dumps(loader.state_dict())) == state
 
 
 def test_resuming_mid_epoch_with_other_settings_raises():
     _seed_main(0)
-    _, state, _ = _batches(fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True,
-                                             num_workers=2), 3)
+    _, state, _ = _batches(_shuffled(), 3)
     for changed in (dict(num_workers=1), dict(num_workers=0), dict(batch_size=5),
                     dict(drop_last=True)):
-        kw = dict(batch_size=4, shuffle=True, num_workers=2) | changed
-        loader = fastmm.DataLoader(Augmented(), **kw)
+        loader = _shuffled(**changed)
         with pytest.raises(ValueError, match="cannot resume mid-epoch") as e:
             loader.load_state_dict(state)
         assert next(iter(changed)) in str(e.value)
@@ -220,16 +218,13 @@ def test_a_state_from_something_else_is_refused():
 
 
 def test_a_fresh_loader_state_restores_to_a_fresh_start():
-    def make():
-        return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2)
-
     _seed_main(0)
-    full = _batches(make())
+    full = _batches(_shuffled())
     _seed_main(0)
-    loader = make()
+    loader = _shuffled()
     state = json.loads(json.dumps(loader.state_dict()))
     assert state["epoch_done"] and state["batches"] == 0
-    loader2 = make()
+    loader2 = _shuffled()
     loader2.load_state_dict(state)
     assert _batches(loader2) == full
 

@@ -102,6 +102,10 @@ class ResizedCrop:
         return (height - h) // 2, (width - w) // 2, h, w
 
 
+def _column(reason: str) -> int:
+    return REASONS.index(reason) if reason in REASONS else REASONS.index("other")
+
+
 class _Counters:
     """Skip and replace counts by reason, in shared memory that workers inherit, one row per
     process so no increment is lost without a lock."""
@@ -113,8 +117,7 @@ class _Counters:
         info = torch.utils.data.get_worker_info()
         row = 0 if info is None else 1 + info.id % (_ROWS - 1)
         base = row * (len(REASONS) + 1)
-        col = REASONS.index(reason) if reason in REASONS else REASONS.index("other")
-        self._array[base + col] += 1
+        self._array[base + _column(reason)] += 1
         if replaced:
             self._array[base + len(REASONS)] += 1
 
@@ -124,8 +127,7 @@ class _Counters:
         for i in range(len(self._array)):
             self._array[i] = 0
         for reason, n in skipped.items():
-            col = REASONS.index(reason) if reason in REASONS else REASONS.index("other")
-            self._array[col] += int(n)
+            self._array[_column(reason)] += int(n)
         self._array[width - 1] = int(replaced)
 
     def totals(self) -> tuple[dict[str, int], int]:

@@ -323,11 +323,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._index_queues[worker_id].close()
         self._ring.forget(self._channels[worker_id])
         self._channels[worker_id] = max(self._channels) + 1
-        skip = 0
-        if self._dataset_kind == _DatasetKind.Iterable:
-            skip = self._received[worker_id] * (
-                self._index_sampler.batch_size if self._auto_collation else 1)
-        self._start_worker(worker_id, (self._last_rng[worker_id], skip))
+        self._start_worker(
+            worker_id, (self._last_rng[worker_id], self._samples_in(self._received[worker_id])))
         self._awaiting_resume.discard(worker_id)
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
         for i in lost:
@@ -337,10 +334,15 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         """(RNG states to set, IterableDataset samples to drop) for a restored worker."""
         if restore is None:
             return None, 0
-        skip = 0
-        if self._dataset_kind == _DatasetKind.Iterable:
-            skip = restore.skip_items(worker_id, self._auto_collation and self._index_sampler.batch_size)
+        skip = self._samples_in(restore.worker_batches[worker_id]) if restore.mid_epoch else 0
         return restore.worker_rng[worker_id] if restore.base_seed is not None else None, skip
+
+    def _samples_in(self, batches: int) -> int:
+        """IterableDataset samples a worker pulls and drops to get past ``batches`` it made
+        (map-style workers need none: their tasks name their indices)."""
+        if self._dataset_kind != _DatasetKind.Iterable:
+            return 0
+        return batches * (self._index_sampler.batch_size if self._auto_collation else 1)
 
     # -- epoch -------------------------------------------------------------------------------
 

@@ -39,12 +39,12 @@ def capture_rng() -> tuple:
     if np is not None:
         _, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
         numpy_state = (key.tobytes(), pos, has_gauss, gauss)
-    return torch.get_rng_state().numpy().tobytes(), random.getstate(), numpy_state
+    return _state_of(torch.default_generator), random.getstate(), numpy_state
 
 
 def apply_rng(state: tuple) -> None:
     torch_state, random_state, numpy_state = state
-    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+    _set_state(torch.default_generator, torch_state)
     random.setstate(random_state)
     if numpy_state is not None and np is not None:
         key, pos, has_gauss, gauss = numpy_state
@@ -101,16 +101,23 @@ def decode_rng(data: dict) -> tuple:
     return _unb64(data["torch"]), (r["version"], words, r["gauss"]), numpy_state
 
 
+def _state_of(generator: torch.Generator) -> bytes:
+    return generator.get_state().numpy().tobytes()
+
+
+def _set_state(generator: torch.Generator, state: bytes) -> None:
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
 def _generator_states(generator) -> tuple[bytes, bytes | None]:
     """What a sampler can draw from: torch's default RNG and the loader's generator."""
-    own = None if generator is None else generator.get_state().numpy().tobytes()
-    return torch.get_rng_state().numpy().tobytes(), own
+    return _state_of(torch.default_generator), None if generator is None else _state_of(generator)
 
 
 def _set_generator_states(states, generator) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(states[0]), dtype=torch.uint8))
+    _set_state(torch.default_generator, states[0])
     if generator is not None and states[1] is not None:
-        generator.set_state(torch.frombuffer(bytearray(states[1]), dtype=torch.uint8))
+        _set_state(generator, states[1])
 
 
 class KeepRng:
@@ -121,12 +128,13 @@ class KeepRng:
         self.generator = generator
 
     def __enter__(self):
-        self.saved = capture_rng(), _generator_states(self.generator)
+        self.saved = capture_rng(), None if self.generator is None else _state_of(self.generator)
         return self
 
     def __exit__(self, *exc):
         apply_rng(self.saved[0])
-        _set_generator_states(self.saved[1], self.generator)
+        if self.generator is not None:
+            _set_state(self.generator, self.saved[1])
 
 
 # -- progress --------------------------------------------------------------------------------
@@ -176,10 +184,6 @@ class Progress:
         if iterable:  # workers that ran out drop out of the round robin, so follow the last one
             return 0 if self.last_worker is None else (self.last_worker + 1) % self.num_workers
         return self.batches % self.num_workers
-
-    def skip_items(self, worker_id: int, batch_size: int | None) -> int:
-        """IterableDataset samples a worker pulls and drops before it carries on."""
-        return self.worker_batches[worker_id] * (batch_size or 1) if self.mid_epoch else 0
 
 
 def _sampler_with_state(loader):
@@ -304,7 +308,7 @@ def encode(loader, progress: Progress | None) -> dict:
         "worker_batches": list(p.worker_batches) if p.mid_epoch else [0] * p.num_workers,
         "last_worker": p.last_worker if p.mid_epoch else None,
         # the loader's own generator is its state: where it is now, not where the epoch began
-        "generator": None if loader.generator is None else _b64(_generator_states(loader.generator)[1]),
+        "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
     }
     dataset_state = getattr(loader.dataset, "state_dict", None)
     state["dataset"] = dataset_state() if callable(dataset_state) else None
@@ -356,8 +360,7 @@ def decode(loader, state: dict) -> Progress:
         if sampler is not None and state["sampler"] is not None:
             sampler.load_state_dict(state["sampler"])
     if loader.generator is not None and state.get("generator") is not None:
-        _set_generator_states((torch.get_rng_state().numpy().tobytes(), _unb64(state["generator"])),
-                              loader.generator)
+        _set_state(loader.generator, _unb64(state["generator"]))
     dataset_load = getattr(loader.dataset, "load_state_dict", None)
     if state.get("dataset") is not None and callable(dataset_load):
         dataset_load(state["dataset"])
