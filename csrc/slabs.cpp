@@ -77,12 +77,14 @@ PyObject* gather(PyObject*, PyObject* args) {
       ok = false;
       break;
     }
-    Py_ssize_t end = offset + acquired * stride + srcs[acquired].len;
+    // 128-bit: no offset or stride a caller passes can wrap the sum past the check
+    __int128 end = static_cast<__int128>(offset) + static_cast<__int128>(acquired) * stride +
+                   srcs[acquired].len;
     if (srcs[acquired].len > stride || end > dst.len) {
       PyErr_Format(PyExc_ValueError,
-                   "sample %zd (%zd bytes) does not fit its slot (%zd bytes at offset %zd, "
-                   "buffer of %zd bytes)",
-                   acquired, srcs[acquired].len, stride, offset + acquired * stride, dst.len);
+                   "sample %zd (%zd bytes) does not fit its slot (slot %zd of %zd bytes after "
+                   "offset %zd, buffer of %zd bytes)",
+                   acquired, srcs[acquired].len, acquired, stride, offset, dst.len);
       PyBuffer_Release(&srcs[acquired]);
       ok = false;
       break;

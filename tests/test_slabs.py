@@ -86,6 +86,11 @@ def test_gather_is_bounds_checked(native):
         native.gather(dst, 12, [b"1234", b"5678"], 4)  # past the end
     with pytest.raises(ValueError, match="non-negative"):
         native.gather(dst, -1, [b"1"], 4)
+    # sums past 2**63 (found by fuzz/fuzz.py gather: the C++ check wrapped and wrote anywhere)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gather(dst, 2**63 - 1, [b"1"], 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gather(dst, 0, [b"", b"", b"1"], 2**62)
     assert dst == bytearray(16)  # nothing written when any source does not fit
 
 

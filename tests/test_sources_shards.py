@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import io
+import json
 import os
 import pathlib
 import tarfile
@@ -224,6 +225,51 @@ def test_garbage_headers_do_not_crash_or_hang(tmp_path):
     write_shards(big, str(tmp_path / "big"))
     src = ShardSource(str(tmp_path / "big"), max_member_bytes=1000, on_error="skip")
     assert [s.key for s in src.iter_samples()] == ["t"] and src.skipped == {"too_large": 1}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pax", [{"size": "-1536"}, {"size": "12x"}, {"size": "\u00b2"}, "0 x=1\n",
+                                 "99 path=a.txt\n"])
+def test_bad_pax_headers_are_damage_not_a_hang(tmp_path, pax):
+    """Found by fuzz/fuzz.py tar: a negative pax size walked the reader backwards forever, a
+    record of length 0 never advanced."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        first = tarfile.TarInfo("a.txt")
+        first.size = 3
+        tar.addfile(first, io.BytesIO(b"abc"))
+        info = tarfile.TarInfo("b.txt")
+        info.size = 3
+        info.pax_headers = pax if isinstance(pax, dict) else {"comment": "x"}
+        tar.addfile(info, io.BytesIO(b"def"))
+    raw = buf.getvalue()
+    if isinstance(pax, str):  # a raw record tarfile would not write: patch it into the header
+        at = raw.index(b"comment=x\n") - 3
+        record = pax.encode().ljust(len(b"18 comment=x\n"), b"\n")
+        raw = raw[:at] + record + raw[at + len(record):]
+    path = tmp_path / "s.tar"
+    path.write_bytes(raw)
+    src = ShardSource(str(path), on_error="skip")
+    # the garbled header damages the sample it interrupts (it may have had more members)
+    assert src.keys() == [] and src.skipped == {"bad_header": 1}
+    assert list(src.iter_samples()) == []
+
+
+@pytest.mark.parametrize("cache", [b"1", b"[]", b"{}", b'{"stamp": 0, "entries": 0}', None])
+def test_a_damaged_index_cache_is_rebuilt(tmp_path, cache):
+    """Found by fuzz/fuzz.py index: any bytes in the cache beside a shard either are a valid
+    index of it or are ignored; a cache with the right stamp but impossible entries too."""
+    write_shards(_samples(5), str(tmp_path), max_count=10)
+    truth = ShardSource(str(tmp_path), index_cache="beside")
+    want = [(k, truth.read(i).members) for i, k in enumerate(truth.keys())]
+    (name,) = [n for n in os.listdir(tmp_path) if n.endswith(".fastmm-idx.json")]
+    saved = json.loads((tmp_path / name).read_text())
+    if cache is None:  # the right stamp, an entry pointing past the end of the shard
+        saved["entries"][0][2][0][1] = 10**9
+        cache = json.dumps(saved).encode()
+    (tmp_path / name).write_bytes(cache)
+    src = ShardSource(str(tmp_path), index_cache="beside", on_error="raise")
+    assert [(k, src.read(i).members) for i, k in enumerate(src.keys())] == want
 
 
 def test_open_source_registry(tmp_path):

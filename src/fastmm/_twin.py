@@ -40,8 +40,8 @@ def gather(dst, offset: int, srcs, stride: int) -> None:
         start = offset + i * stride
         if view.nbytes > stride or start + view.nbytes > out.nbytes:
             raise ValueError(
-                f"sample {i} ({view.nbytes} bytes) does not fit its slot ({stride} bytes at "
-                f"offset {start}, buffer of {out.nbytes} bytes)"
+                f"sample {i} ({view.nbytes} bytes) does not fit its slot (slot {i} of {stride} "
+                f"bytes after offset {offset}, buffer of {out.nbytes} bytes)"
             )
         views.append((start, view))
     for start, view in views:

@@ -206,7 +206,50 @@ def pack(data, writer) -> tuple:
 def unpack(packed: tuple, views: dict[int, memoryview]):
     """Rebuild a batch whose tensors view the given slabs."""
     places, tensors, payload = packed
+    check_layout(places, tensors, views)
     return _SlabUnpickler(io.BytesIO(payload), places, tensors, views).load()
+
+
+def check_layout(places, tensors, views: dict[int, memoryview]) -> None:
+    """ValueError unless every place lies inside its slab and every tensor inside its place:
+    the main process reads shared memory only where a batch's tables say, so they are checked
+    before any tensor is made (fuzzed by fuzz/fuzz.py layout)."""
+
+    def bad(why: str):
+        return ValueError(f"bad batch layout from a worker: {why}")
+
+    def count(x) -> bool:
+        return type(x) is int and x >= 0
+
+    sizes = []
+    for place in places:
+        if place[:1] == ("inline",) and len(place) == 3 and count(place[1]) \
+                and isinstance(place[2], bytes):
+            sizes.append((place[1], len(place[2])))
+        elif place[:1] == ("slab",) and len(place) == 5 and all(map(count, place[1:])):
+            _, start, slab_id, offset, nbytes = place
+            if slab_id not in views or offset + nbytes > len(views[slab_id]):
+                raise bad(f"{place[1:]} is not inside a slab it was sent")
+            sizes.append((start, nbytes))
+        else:
+            raise bad(f"place {place!r:.80}")
+    for spec in tensors:
+        if len(spec) != 5:
+            raise bad(f"tensor {spec!r:.80}")
+        slot, dtype, shape, stride, lo = spec
+        if not (count(slot) and slot < len(sizes) and isinstance(dtype, torch.dtype)
+                and len(shape) == len(stride) and all(map(count, (*shape, *stride, lo)))):
+            raise bad(f"tensor {spec!r:.80}")
+        if math.prod(max(n, 1) for n in shape) >= 1 << 62 or any(x >= 1 << 62 for x in stride):
+            raise bad(f"tensor of shape {tuple(shape)} strides {tuple(stride)}")  # torch's int64
+        start, nbytes = sizes[slot]
+        itemsize = dtype.itemsize
+        if lo < start or (lo - start) % itemsize:
+            raise bad(f"tensor at byte {lo} of a place starting at {start}")
+        if math.prod(shape):
+            reach = sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+            if lo - start + reach * itemsize > nbytes:
+                raise bad(f"tensor {tuple(shape)} strides {tuple(stride)} past its {nbytes} bytes")
 
 
 def set_writer(writer) -> None:

@@ -53,6 +53,8 @@ def _pax(data: bytes) -> dict[str, str]:
     while pos < len(data):
         space = data.index(b" ", pos)
         length = int(data[pos:space])
+        if not space - pos < length <= len(data) - pos:  # a record that goes nowhere or past the end
+            raise ValueError(f"pax record length {length} at {pos}")
         key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
         out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
         pos += length
@@ -90,16 +92,16 @@ def iter_members(f, *, read_data: bool, max_member_bytes: int = 1 << 31) -> Iter
         signed = (
             sum(struct.unpack("148b8x356b", block)) + 256
         )  # some old writers summed signed bytes
-        if stored not in (unsigned, signed) or size < 0:
-            yield Member(
-                None, "file", pos, pos, 0, problem=("bad_header", "header checksum does not match")
-            )
-            return
         typeflag = block[156:157]
+        if "size" in pax and typeflag not in (b"x", b"g"):
+            size = int(pax["size"]) if pax["size"].isascii() and pax["size"].isdigit() else -1
+        if stored not in (unsigned, signed) or size < 0:
+            why = "header checksum does not match" if size >= 0 else "negative or garbled size"
+            yield Member(None, "file", pos, pos, 0, problem=("bad_header", why))
+            return
         name = _str(block[:100])
         if block[257:263] == b"ustar\x00" and block[345:346] != b"\0":
             name = _str(block[345:500]) + "/" + name
-        size = int(pax.get("size", size)) if typeflag not in (b"x", b"g") else size
         data_offset = pos + BLOCK
         pos = data_offset + (size + BLOCK - 1) // BLOCK * BLOCK
         if typeflag in (b"x", b"g", b"L", b"K"):  # extended headers describe the next member
@@ -204,6 +206,32 @@ def _group(members: Iterable[Member]) -> Iterator[_Entry]:
         yield cur
 
 
+def _valid_index(entries, file_size: int) -> bool:
+    """A cached index is used only if it could describe the shard: every member inside it, in
+    order, after its sample's header (fuzz/fuzz.py index feeds it any bytes)."""
+
+    def count(x) -> bool:
+        return type(x) is int and x >= 0
+
+    def member(m, after: int) -> bool:
+        return (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str)
+                and count(m[1]) and count(m[2]) and after < m[1] and m[1] + m[2] <= file_size)
+
+    if not isinstance(entries, list):
+        return False
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+                and count(entry[1]) and isinstance(entry[2], list)):
+            return False
+        key, offset, members, problem = entry
+        if not all(member(m, offset) for m in members):
+            return False
+        if problem is not None and not (isinstance(problem, list) and len(problem) == 2
+                                        and all(isinstance(p, str) for p in problem)):
+            return False
+    return True
+
+
 class ShardSource(Source):
     """WebDataset-layout tar shards: ``root`` is a directory (its ``*.tar``, sorted), one
     ``.tar`` file, or a list of them.
@@ -268,10 +296,10 @@ class ShardSource(Source):
                 try:
                     with open(cache, encoding="utf-8") as c:
                         saved = json.load(c)
-                    if saved["stamp"] == stamp:
+                    if saved["stamp"] == stamp and _valid_index(saved["entries"], st.st_size):
                         return saved["entries"]
-                except (OSError, ValueError, KeyError):
-                    pass
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass  # scanned again, and rewritten
             entries = [
                 [e.key, e.offset, [m[:3] for m in e.members], e.problem]
                 for e in _group(

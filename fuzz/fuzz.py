@@ -1,0 +1,293 @@
+"""Coverage-guided fuzzing (atheris, libFuzzer) of the parsers that read bytes fastmm did not
+write, and of the C++ core against its pure-Python twin.
+
+    python fuzz/fuzz.py TARGET [libFuzzer options]    e.g.  -runs=20000  -max_total_time=600
+
+Targets:
+  tar     the tar reader (sources/shards.iter_members) on any bytes: it ends, every member lies
+          inside the file in order, damage is reported as the last member, nothing raises.
+  index   the shard index cache read back from beside a shard: any bytes there are either a
+          valid index of that shard or ignored (the shard is scanned again); reads never fail.
+  gather  fastmm._C.gather against the twin on any buffer sizes, offsets and strides (full
+          64-bit range): the same bytes written or the same error, never a crash.
+  layout  the slab layout tables a worker sends with a batch (collate.unpack): any table gives
+          tensors inside the slabs they name or a ValueError, never a read outside them.
+
+A crash or a hang (-timeout, default 10 s here) writes the input to crash-*/timeout-* and exits
+non-zero. The seeds (valid tars of each format, a real index, real layouts) are made at start.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import sys
+import tarfile
+import tempfile
+
+import atheris
+
+with atheris.instrument_imports(include=["fastmm"]):
+    import torch
+
+    from fastmm import _twin, collate
+    from fastmm.sources import SourceError
+    from fastmm.sources.shards import ShardSource, _valid_index, iter_members
+
+    try:
+        from fastmm import _C
+    except ImportError:
+        _C = None
+
+
+# -- tar ---------------------------------------------------------------------------------------
+
+
+class _MemFile:
+    """One in-memory file reused for every input (a real fd: the reader fstat()s it)."""
+
+    def __init__(self):
+        self.f = os.fdopen(os.memfd_create("fastmm-fuzz"), "w+b", buffering=0)
+
+    def load(self, data: bytes):
+        self.f.seek(0)
+        self.f.truncate(0)
+        self.f.write(data)
+        self.f.seek(0)
+        return self.f
+
+
+def _tar(members, fmt) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _tar_seeds() -> list[bytes]:
+    long = "d/" * 60 + "sample.jpg"
+    members = [("a.jpg", b"\xff\xd8" * 300), ("a.txt", b"caption"), ("b.cls", b"3"), (long, b"x")]
+    odd = [("é" * 40 + ".jpg", b"1" * 700), ("b.txt", b"2")]  # non-ASCII: a pax header
+    tars = [_tar(members, tarfile.GNU_FORMAT), _tar(members, tarfile.PAX_FORMAT),
+            _tar(members[:3], tarfile.USTAR_FORMAT), _tar(odd, tarfile.PAX_FORMAT),
+            _tar(odd, tarfile.GNU_FORMAT)]
+    return tars + [b"\1" + t for t in tars]
+
+
+_mem = None
+
+
+def _with_checksums(data: bytes) -> bytes:
+    """Every whole 512-byte block given a valid header checksum, so mutations get past it."""
+    out = bytearray(data)
+    for pos in range(0, len(out) - 511, 512):
+        out[pos + 148 : pos + 156] = b" " * 8
+        out[pos + 148 : pos + 156] = b"%06o\0 " % sum(out[pos : pos + 512])
+    return bytes(out)
+
+
+def tar_one(data: bytes) -> None:
+    global _mem
+    _mem = _mem or _MemFile()
+    if data[:1] and data[0] & 1:  # half the inputs: as they come; half: checksums made valid
+        data = _with_checksums(data[1:])
+    f = _mem.load(data)
+    last_header = -1
+    members = list(iter_members(f, read_data=True, max_member_bytes=1 << 16))
+    for i, m in enumerate(members):
+        if m.problem is not None:
+            assert i == len(members) - 1, "damage must end the listing"
+            continue
+        assert last_header < m.header_offset < m.data_offset <= len(data), m
+        assert m.data_offset + m.size <= len(data), m
+        if m.kind == "file" and m.data is not None:
+            assert len(m.data) == m.size
+        last_header = m.header_offset
+
+
+# -- index -------------------------------------------------------------------------------------
+
+
+class _IndexTarget:
+    def __init__(self):
+        self.dir = os.path.join(tempfile.gettempdir(), "fastmm-fuzz-index-shard")
+        os.makedirs(self.dir, exist_ok=True)
+        self.shard = os.path.join(self.dir, "s.tar")
+        with open(self.shard, "wb") as f:
+            members = [(f"{k}.{e}", f"{k}-{e}".encode() * 7) for k in "abc" for e in ("jpg", "txt")]
+            f.write(_tar(members, tarfile.USTAR_FORMAT))
+        self.size = os.path.getsize(self.shard)
+        self.cache = os.path.join(self.dir, ".s.tar.fastmm-idx.json")
+        truth = ShardSource(self.shard, index_cache="beside")
+        self.expected = [(k, truth.read(i).members) for i, k in enumerate(truth.keys())]
+        with open(self.cache, "rb") as f:
+            self.saved = json.load(f)
+        self.seed = b"\1" + json.dumps(self.saved["entries"]).encode()
+
+    def one(self, data: bytes) -> None:
+        entries = None
+        if data[:1] and data[0] & 1:  # half the inputs: entries under the shard's true stamp
+            try:
+                entries = json.loads(data[1:])
+                data = json.dumps({"stamp": self.saved["stamp"], "entries": entries}).encode()
+            except (ValueError, RecursionError):
+                pass
+        with open(self.cache, "wb") as f:
+            f.write(data)
+        source = ShardSource(self.shard, index_cache="beside", on_error="raise")
+        got = []
+        for i, key in enumerate(source.keys()):
+            try:
+                got.append((key, source.read(i).members))
+            except SourceError:  # what a valid-looking index may still claim (a damaged sample)
+                got.append((key, None))
+        if not _valid_index(entries, self.size):  # ignored: the shard was scanned again
+            assert got == self.expected, got
+        for key, members in got:  # whatever a valid index says, only the shard's bytes come out
+            for value in (members or {}).values():
+                assert isinstance(value, bytes) and len(value) <= self.size
+
+
+_index = None
+
+
+def index_one(data: bytes) -> None:
+    global _index
+    _index = _index or _IndexTarget()
+    _index.one(data)
+
+
+# -- gather ------------------------------------------------------------------------------------
+
+
+def _outcome(impl, dst: bytearray, offset: int, srcs: list[bytes], stride: int):
+    try:
+        impl.gather(dst, offset, srcs, stride)
+    except (ValueError, OverflowError) as e:
+        return type(e).__name__
+    return bytes(dst)
+
+
+def _edgy(fdp, small: int) -> int:
+    """Mostly small; else any 64-bit value, or one near a power of two (where sums overflow)."""
+    pick = fdp.ConsumeIntInRange(0, 5)
+    if pick < 3:
+        return fdp.ConsumeIntInRange(0, small)
+    if pick == 3:
+        return fdp.ConsumeInt(8)
+    near = (1 << fdp.ConsumeIntInRange(8, 63)) - fdp.ConsumeIntInRange(-small, small)
+    return min(near, (1 << 63) - 1)
+
+
+def gather_one(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    size = fdp.ConsumeIntInRange(0, 4096)
+    offset, stride = _edgy(fdp, 64), _edgy(fdp, 512)
+    srcs = [fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 600)) for _ in range(fdp.ConsumeIntInRange(0, 12))]
+    fill = bytearray(fdp.ConsumeBytes(1) * size or size)
+    twin = _outcome(_twin, bytearray(fill), offset, srcs, stride)
+    if _C is not None:
+        cpp = _outcome(_C, bytearray(fill), offset, srcs, stride)
+        assert cpp == twin, (offset, stride, [len(s) for s in srcs], size, cpp, twin)
+
+
+# -- layout ------------------------------------------------------------------------------------
+
+_DTYPES = [torch.uint8, torch.int16, torch.int32, torch.float32, torch.float64, torch.bfloat16]
+
+
+def layout_one(data: bytes) -> None:
+    fdp = atheris.FuzzedDataProvider(data)
+    views = {i: memoryview(bytearray(fdp.ConsumeIntInRange(0, 4096))) for i in range(2)}
+    places = []  # plausible tables first (most pass the check), then a few fields spoiled
+    for _ in range(fdp.ConsumeIntInRange(1, 3)):
+        start = fdp.ConsumeIntInRange(0, 64)
+        if fdp.ConsumeBool():
+            places.append(["inline", start, fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 256))])
+        else:
+            slab_id = fdp.ConsumeIntInRange(0, 1)
+            offset = fdp.ConsumeIntInRange(0, len(views[slab_id]))
+            nbytes = fdp.ConsumeIntInRange(0, len(views[slab_id]) - offset)
+            places.append(["slab", start, slab_id, offset, nbytes])
+    tensors = []
+    for _ in range(fdp.ConsumeIntInRange(1, 3)):
+        slot = fdp.ConsumeIntInRange(0, len(places) - 1)
+        dtype = fdp.PickValueInList(_DTYPES)
+        shape = [fdp.ConsumeIntInRange(0, 8) for _ in range(fdp.ConsumeIntInRange(0, 3))]
+        stride = [fdp.ConsumeIntInRange(0, 64) for _ in shape]
+        lo = places[slot][1] + dtype.itemsize * fdp.ConsumeIntInRange(0, 16)
+        tensors.append([slot, dtype, shape, stride, lo])
+    for _ in range(fdp.ConsumeIntInRange(0, 3)):
+        row = fdp.PickValueInList(places + tensors)
+        field = fdp.ConsumeIntInRange(0, len(row) - 1)
+        if isinstance(row[field], list) and row[field]:
+            row[field][fdp.ConsumeIntInRange(0, len(row[field]) - 1)] = _edgy(fdp, 64) * (
+                -1 if fdp.ConsumeBool() else 1)
+        elif type(row[field]) is int:
+            row[field] = _edgy(fdp, 64) * (-1 if fdp.ConsumeBool() else 1)
+    places = [tuple(p) for p in places]
+    tensors = [(slot, dtype, tuple(shape), tuple(stride), lo)
+               for slot, dtype, shape, stride, lo in tensors]
+    try:
+        batch = collate.unpack((places, tensors, collate_payload(len(tensors))), views)
+    except ValueError:
+        return
+    for t in batch:  # each tensor's reachable bytes lie inside its place's bytes
+        if t.numel():
+            lo, hi = collate._byte_span(t)
+            assert 0 <= lo <= hi <= t.untyped_storage().nbytes(), (lo, hi)
+            t[(0,) * t.dim()].item(), t[tuple(n - 1 for n in t.shape)].item()  # both ends read
+
+
+def collate_payload(n: int) -> bytes:
+    """A batch pickled as a worker would: a list of ``n`` tensors by persistent id."""
+    buf = io.BytesIO()
+
+    class Ref(int):
+        pass
+
+    class Pickler(collate.pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("tensor", int(obj)) if type(obj) is Ref else None
+
+    Pickler(buf, collate.pickle.HIGHEST_PROTOCOL).dump([Ref(i) for i in range(n)])
+    return buf.getvalue()
+
+
+def _layout_seeds() -> list[bytes]:
+    return [struct.pack("<QQ", 4096, 2048) + bytes(range(256)) * 2]
+
+
+TARGETS = {
+    "tar": (tar_one, _tar_seeds),
+    "index": (index_one, lambda: [_IndexTarget().seed, b"{}"]),
+    "gather": (gather_one, lambda: [bytes(64), bytes(range(256))]),
+    "layout": (layout_one, _layout_seeds),
+}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or argv[1] not in TARGETS:
+        sys.exit(f"usage: {argv[0]} {{{','.join(TARGETS)}}} [libFuzzer options] [corpus dir]")
+    one, seeds = TARGETS[argv[1]]
+    options = [a for a in argv[2:] if a.startswith("-")]
+    # the corpus grows across runs (libFuzzer adds what finds new coverage); seeds go in first
+    corpus = next((a for a in argv[2:] if not a.startswith("-")),
+                  os.path.join(tempfile.gettempdir(), f"fastmm-fuzz-{argv[1]}"))
+    os.makedirs(corpus, exist_ok=True)
+    for i, seed in enumerate(seeds()):
+        with open(os.path.join(corpus, f"seed-{i}"), "wb") as f:
+            f.write(seed)
+    if not any(a.startswith("-timeout=") for a in options):
+        options.append("-timeout=10")
+    atheris.Setup([argv[0], *options, corpus], one)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
