@@ -81,6 +81,7 @@ def _check(ds, keys, modality):
         assert tensor.shape[-2:] == (16, 16) and tensor.dtype == torch.uint8
     problems = ds.skipped
     assert len(decoded) + sum(problems.values()) == len(ds)
+    assert "deadline" not in problems  # no sample took a decoder anywhere near a hang
     assert {p.key for p in ds.problems} <= keys  # every skip names its sample (last 100 kept)
     return len(decoded), problems
 
@@ -91,7 +92,8 @@ def test_every_damaged_image_decodes_or_is_counted(hostile, decoder):
         pytest.importorskip("nvidia.dali")
     shards, keys = hostile
     ds = fastmm.MultimodalDataset(shards, source="shards", decoder=decoder, size=16,
-                                  modality="image", on_error="skip", keep_problems=1000)
+                                  modality="image", on_error="skip", keep_problems=1000,
+                                  decode_deadline=60)
     good, problems = _check(ds, keys, "image")
     assert good >= 3 and sum(problems.values()) >= 100  # the intact ones decode, most don't
 
@@ -100,7 +102,7 @@ def test_every_damaged_video_decodes_or_is_counted(hostile):
     shards, keys = hostile
     ds = fastmm.MultimodalDataset(shards, source="shards", decoder="torchcodec", size=16,
                                   modality="video", clip=ClipSpec(num_frames=4), crop="center",
-                                  on_error="skip", keep_problems=1000)
+                                  on_error="skip", keep_problems=1000, decode_deadline=60)
     good, problems = _check(ds, keys, "video")
     assert good >= 1 and sum(problems.values()) >= 10
 

@@ -168,6 +168,23 @@ class DecodeConfig:
         return cls(backend=backend, device=device)
 
 
+def decode_deadline(value: float | None) -> float | None:
+    """Seconds one sample may take (read, decode, transform): the argument, then
+    FASTMM_DECODE_DEADLINE, then none; 0 means none."""
+    name = "FASTMM_DECODE_DEADLINE"
+    if value is None:
+        raw = os.environ.get(name, "").strip()
+        try:
+            value = float(raw) if raw else 0.0
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(f"{name}={raw!r} must be a finite number of seconds >= 0")
+    elif not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+        raise ValueError(f"decode_deadline={value!r}; give seconds >= 0 (0 or None: none)")
+    return float(value) or None
+
+
 @dataclass(frozen=True)
 class DistConfig:
     """This process's place in a distributed job: torch.distributed when it is initialised, else

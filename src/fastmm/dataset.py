@@ -19,6 +19,8 @@ import logging
 import math
 import multiprocessing.context
 import multiprocessing.sharedctypes
+import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -26,8 +28,10 @@ from typing import Callable, Literal
 import torch
 import torch.utils.data
 
+from . import config
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
+from .doctor import FastmmWarning
 from .sources import Problem, Source, SourceError, open_source
 from .telemetry import stage
 
@@ -39,7 +43,7 @@ VIDEO_EXTS = ("mp4", "webm", "mkv", "avi", "mov", "m4v")
 REASONS = (
     "empty", "corrupt", "too_large", "too_short", "no_video", "unsupported", "missing_member",
     "truncated", "unreadable", "unsafe_name", "bad_name", "bad_header", "not_a_file",
-    "duplicate_member", "bad_manifest", "size", "checksum", "other",
+    "duplicate_member", "bad_manifest", "size", "checksum", "deadline", "other",
 )
 _ROWS = 65  # one counter row for the main process and each of up to 64 workers (then shared)
 log = logging.getLogger("fastmm")
@@ -106,12 +110,32 @@ def _column(reason: str) -> int:
     return REASONS.index(reason) if reason in REASONS else REASONS.index("other")
 
 
-class _Counters:
-    """Skip and replace counts by reason, in shared memory that workers inherit, one row per
-    process so no increment is lost without a lock."""
+class _Shared:
+    """An array in shared memory that worker processes inherit as they start (fork or spawn);
+    pickled at any other time, the copy gets a fresh array of its own."""
+
+    def __init__(self, typecode: str, size: int):
+        self._spec = (typecode, size)
+        self._array = multiprocessing.sharedctypes.RawArray(typecode, size)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_array"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self._array is None:
+            self._array = multiprocessing.sharedctypes.RawArray(*self._spec)
+
+
+class _Counters(_Shared):
+    """Skip and replace counts by reason, one row per process so no increment is lost without
+    a lock."""
 
     def __init__(self):
-        self._array = multiprocessing.sharedctypes.RawArray("q", _ROWS * (len(REASONS) + 1))
+        super().__init__("q", _ROWS * (len(REASONS) + 1))
 
     def add(self, reason: str, replaced: bool) -> None:
         info = torch.utils.data.get_worker_info()
@@ -135,14 +159,66 @@ class _Counters:
         sums = [sum(self._array[r * width + c] for r in range(_ROWS)) for c in range(width)]
         return {r: n for r, n in zip(REASONS, sums) if n}, sums[-1]
 
-    def __getstate__(self):
-        # Shared with workers as they start (fork or spawn); a later pickle gets fresh counters.
-        if multiprocessing.context.get_spawning_popen() is None:
-            return None
-        return self._array
 
-    def __setstate__(self, state):
-        self._array = state if state is not None else _Counters()._array
+class SampleWatch(_Shared):
+    """The decode deadline: which sample each worker process is on and since when, so that
+    fastmm.DataLoader can replace a worker stuck on one past ``deadline`` seconds (a decoder
+    stuck in C cannot be interrupted from inside its process); and the samples that were, so
+    that no worker tries them again (they count as "deadline", by the bad-input policy)."""
+
+    ROWS = 1025  # the main process, then a row per worker (shared beyond 1024 workers)
+    CAP = 4096  # samples remembered as expired
+
+    def __init__(self, deadline: float):
+        # [since per row | item per row | watched flag | expired count | expired items]
+        super().__init__("d", 2 * self.ROWS + 2 + self.CAP)
+        self.deadline = deadline
+        self._known = (0, frozenset())
+
+    def _row(self, worker_id: int | None) -> int:
+        return 0 if worker_id is None else 1 + worker_id % (self.ROWS - 1)
+
+    def begin(self, item: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        row = self._row(None if info is None else info.id)
+        self._array[self.ROWS + row] = item
+        self._array[row] = time.monotonic()  # CLOCK_MONOTONIC: one clock for all processes
+
+    def end(self) -> None:
+        info = torch.utils.data.get_worker_info()
+        self._array[self._row(None if info is None else info.id)] = 0.0
+
+    def overdue(self, worker_ids) -> list[tuple[int, int]]:
+        """(worker id, item) for each listed worker on one sample longer than the deadline."""
+        now, out = time.monotonic(), []
+        for w in worker_ids:
+            since = self._array[self._row(w)]
+            if since and now - since > self.deadline:
+                out.append((w, int(self._array[self.ROWS + self._row(w)])))
+        return out
+
+    def expire(self, item: int, worker_id: int) -> None:
+        self._array[self._row(worker_id)] = 0.0
+        n = int(self._array[2 * self.ROWS + 1])
+        if n < self.CAP:
+            self._array[2 * self.ROWS + 2 + n] = item
+            self._array[2 * self.ROWS + 1] = n + 1
+
+    def expired(self) -> frozenset[int]:
+        n = int(self._array[2 * self.ROWS + 1])
+        if n != self._known[0]:
+            start = 2 * self.ROWS + 2
+            self._known = (n, frozenset(int(x) for x in self._array[start:start + n]))
+        return self._known[1]
+
+    @property
+    def watched(self) -> bool:
+        """Set by a fastmm.DataLoader whose worker processes it watches."""
+        return bool(self._array[2 * self.ROWS])
+
+    @watched.setter
+    def watched(self, value: bool) -> None:
+        self._array[2 * self.ROWS] = float(value)
 
 
 class MultimodalDataset(torch.utils.data.Dataset):
@@ -181,6 +257,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         max_replace: int = 16,
         limits: DecodeLimits | None = None,
         keep_problems: int = 100,
+        decode_deadline: float | None = None,
         **source_options,
     ):
         if on_error not in ("raise", "skip", "replace"):
@@ -212,6 +289,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self.max_replace = max_replace
         self.problems: deque[Problem] = deque(maxlen=keep_problems)  # this process's latest
         self._counters = _Counters()
+        deadline = config.decode_deadline(decode_deadline)
+        self.sample_watch = SampleWatch(deadline) if deadline else None
         self._items: list[int] | None = None
 
     # -- index ---------------------------------------------------------------------------------
@@ -244,10 +323,16 @@ class MultimodalDataset(torch.utils.data.Dataset):
         and replace counts. Which samples come next is the loader's state; a bad sample is
         skipped or replaced the same way every time, so it needs nothing more."""
         skipped, replaced = self._counters.totals()
-        return {"skipped": skipped, "replaced": replaced}
+        state = {"skipped": skipped, "replaced": replaced}
+        if self.sample_watch is not None:  # so a resumed run does not get stuck on them again
+            state["expired"] = sorted(self.sample_watch.expired())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._counters.set_totals(state["skipped"], state["replaced"])
+        for item in state.get("expired", ()):
+            if self.sample_watch is not None and item not in self.sample_watch.expired():
+                self.sample_watch.expire(item, None)
 
     # -- items ---------------------------------------------------------------------------------
 
@@ -277,8 +362,9 @@ class MultimodalDataset(torch.utils.data.Dataset):
             raise IndexError(f"index {index} out of range for {n} samples")
         index %= n
         for attempt in range(self.max_replace + 1):
+            item = (index + attempt) % n
             try:
-                return self._load(items[(index + attempt) % n])
+                return self._load_watched(item)
             except (SourceError, DecodeError) as e:
                 if self.on_error == "raise":
                     raise
@@ -289,6 +375,25 @@ class MultimodalDataset(torch.utils.data.Dataset):
             f"{self.max_replace + 1} samples in a row from index {index} were bad; "
             f"counts so far: {self.skipped}"
         )
+
+    def _load_watched(self, item: int) -> dict:
+        watch = self.sample_watch
+        if watch is None:
+            return self._load(self._items[item])
+        if item in watch.expired():
+            raise DecodeError("deadline", self.source.keys()[self._items[item]],
+                              f"took over decode_deadline={watch.deadline:g}s before; its "
+                              f"worker was replaced and the sample is not tried again")
+        if not watch.watched and not getattr(self, "_said_unwatched", False):
+            self._said_unwatched = True
+            warnings.warn("fastmm: decode_deadline is enforced by fastmm.DataLoader with "
+                          "num_workers > 0 (it replaces a stuck worker); here a stuck sample "
+                          "would block", FastmmWarning, stacklevel=5)
+        watch.begin(item)
+        try:
+            return self._load(self._items[item])
+        finally:
+            watch.end()
 
     def _count(self, error: SourceError | DecodeError, replaced: bool) -> None:
         origin = getattr(error, "origin", "")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import multiprocessing.connection
 import os
 import signal
@@ -42,6 +43,7 @@ from .slabs import SlabRing
 from .telemetry import Telemetry
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
+log = logging.getLogger("fastmm")
 _MAX_DEATHS_PER_TASK = 3  # a batch that kills a worker this often is the batch's fault
 _OPEN_CHANNELS: dict[int, tuple] = {}  # id(iterator) -> its result connections and fd sockets
 
@@ -138,6 +140,16 @@ def _exported(tm: Telemetry, watched, directory: str):
 def _check_cuda(status, what: str) -> None:
     if int(status) != 0:
         raise RuntimeError(f"fastmm: {what} failed with CUDA error {int(status)} ({status})")
+
+
+def _sample_watch(dataset):
+    """The decode deadline's watch of the dataset, or of one it wraps (Subset, ShardStream)."""
+    for _ in range(4):
+        watch = getattr(dataset, "sample_watch", None)
+        if watch is not None or not hasattr(dataset, "dataset"):
+            return watch
+        dataset = dataset.dataset
+    return None
 
 
 def _signal_name(exitcode: int | None) -> str:
@@ -239,6 +251,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._workers_done_event = context.Event()
         self._context, self._transport = context, transport
         self._respawn = loader.on_worker_failure == "respawn"
+        self._watch = _sample_watch(self._dataset)  # a decode deadline to hold workers to
+        if self._watch is not None:
+            self._watch.watched = True
         self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
         self._shm_checked = 0  # the largest ring size checked against free shared memory
         self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
@@ -257,7 +272,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         # Held outside the iterator as well: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
-        if not self._respawn:  # else a worker's death is this iterator's to handle, not torch's
+        if not (self._respawn or self._watch):  # else deaths are this iterator's, not torch's
             torch_utils.signal_handling._set_worker_pids(
                 id(self), tuple(w.pid for w in self._workers))
             torch_utils.signal_handling._set_SIGCHLD_handler()
@@ -300,13 +315,15 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._result_conns[worker_id] = result_recv
         self._fd_socks[worker_id] = fd_main
 
-    def _replace_worker(self, worker_id: int) -> None:
-        """on_worker_failure="respawn": a new worker in the place of a dead one, from the RNG
-        states after the last batch received from it (an IterableDataset worker also pulls and
-        drops what was received), given the dead one's unfinished tasks again, in order."""
+    def _replace_worker(self, worker_id: int, fault: bool = True) -> None:
+        """A new worker in the place of a dead one (on_worker_failure="respawn") or of one
+        stuck past the decode deadline (``fault=False``: not counted against its batch), from
+        the RNG states after the last batch received from it (an IterableDataset worker also
+        pulls and drops what was received), given the old one's unfinished tasks again, in
+        order."""
         lost = sorted(i for i, info in self._task_info.items()
                       if info[0] == worker_id and len(info) == 1)
-        for i in lost:
+        for i in lost if fault else ():
             self._task_deaths[i] = self._task_deaths.get(i, 0) + 1
             if self._task_deaths[i] > _MAX_DEATHS_PER_TASK:
                 why = _signal_name(self._workers[worker_id].exitcode)
@@ -329,6 +346,25 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
         for i in lost:
             self._index_queues[worker_id].put(("task", i, self._task_index[i], 0.0))
+
+    def _replace_stuck_workers(self) -> list[int]:
+        """Workers on one sample past the decode deadline: the sample is marked expired (the
+        replacement meets it first and counts it, by the dataset's bad-input policy), the
+        worker is killed and replaced. A decoder stuck in C can be stopped no other way."""
+        active = [i for i in range(self._num_workers) if self._workers_status[i]]
+        stuck = self._watch.overdue(active)
+        for worker_id, item in stuck:
+            self._watch.expire(item, worker_id)
+            worker = self._workers[worker_id]
+            log.warning("fastmm: worker %d (pid %d) spent over decode_deadline=%gs on sample "
+                        "%d: replacing it", worker_id, worker.pid, self._watch.deadline, item)
+            try:
+                os.kill(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            worker.join(timeout=_STATUS_CHECK_INTERVAL_S)
+            self._replace_worker(worker_id, fault=False)
+        return [w for w, _ in stuck]
 
     def _worker_resume(self, worker_id: int, restore: resume.Progress | None):
         """(RNG states to set, IterableDataset samples to drop) for a restored worker."""
@@ -408,6 +444,11 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         """(True, (idx, data)) from any worker within ``timeout`` s, else (False, None); a dead
         worker raises at once."""
         self._return_slabs()
+        if self._watch is not None:
+            replaced = self._replace_stuck_workers()
+            if replaced:
+                return True, ("respawned", replaced)
+            timeout = min(timeout, max(0.05, min(1.0, self._watch.deadline / 4)))
         # Inactive workers (ended or told to stop) owe no results, as in torch.
         waiting = {
             conn: i for i, conn in enumerate(self._result_conns) if self._workers_status[i]

@@ -27,21 +27,26 @@ from typing import Callable, Literal, NamedTuple
 import torch
 
 from ..config import DECODE_BACKENDS, DecodeConfig
+from ..errors import SampleError
 
 
-class DecodeError(ValueError):
+class DecodeError(SampleError):
     """Bytes that could not be decoded. ``reason`` is a short counter name: "empty", "corrupt",
-    "too_large", "too_short", "no_video", "unsupported"."""
+    "too_large", "too_short", "no_video", "unsupported", "deadline"."""
 
-    def __init__(self, reason: str, key: str, message: str):
-        super().__init__(f"{reason}: {message} (key={key!r})")
+    def __init__(self, reason: str, key: str | None = None, message: str | None = None):
+        if key is None:  # re-raised from a worker's text (SampleError)
+            return super().__init__(reason)
+        ValueError.__init__(self, f"{reason}: {message} (key={key!r})")
         self.reason, self.key = reason, key
 
 
 class DecodeLimitError(DecodeError):
     """The input would exceed a DecodeLimits cap; raised before its pixels are allocated."""
 
-    def __init__(self, key: str, message: str):
+    def __init__(self, key: str, message: str | None = None):
+        if message is None:  # re-raised from a worker's text (SampleError)
+            return super().__init__(key)
         super().__init__("too_large", key, message)
 
 

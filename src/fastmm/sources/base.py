@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Literal, NamedTuple
 
+from ..errors import SampleError
+
 OnError = Literal["raise", "skip"]
 
 # A member name splits at the first dot of its last path component, as webdataset's
@@ -29,11 +31,16 @@ class Sample:
     origin: str
 
 
-class SourceError(ValueError):
+class SourceError(SampleError):
     """Bad input met by a source; ``reason`` is the counter name used by on_error="skip"."""
 
-    def __init__(self, reason: str, key: str, origin: str, message: str):
-        super().__init__(f"{reason}: {message} (key={key!r}, origin={origin})")
+    def __init__(self, reason: str, key: str | None = None, origin: str = "",
+                 message: str = ""):
+        if key is None:  # re-raised from a worker's text (SampleError)
+            super().__init__(reason)
+            self.origin = ""
+            return
+        ValueError.__init__(self, f"{reason}: {message} (key={key!r}, origin={origin})")
         self.reason, self.key, self.origin = reason, key, origin
 
 

@@ -1,0 +1,192 @@
+"""The decode deadline: a sample stuck in native code (here a decoder blocked in C with the GIL
+held, which nothing inside its process can interrupt) past ``decode_deadline`` gets its worker
+replaced, and the sample is counted with its key by the bad-input policy -- the run yields
+exactly what it yields when that sample is plainly corrupt."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import warnings
+
+import pytest
+import torch
+
+import fastmm
+from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+from fastmm.config import ConfigError, decode_deadline
+from fastmm.dataset import MultimodalDataset
+from fastmm.decode import DecodeError
+from fastmm.decode.pil import Decoder as PilDecoder
+from fastmm.doctor import FastmmWarning
+from fastmm.sources import SourceError
+from fastmm.stream import ShardStream
+
+SPEC = CorpusSpec(num_images=24, num_videos=0, seed=5, image_short_side=(64, 96),
+                  large_fraction=0.0, shard_bytes=60_000)
+DEADLINE = 1.0
+
+
+class StuckOn(PilDecoder):
+    """The real Pillow decoder, except that the given keys block in C holding the GIL, as a
+    decoder looping on hostile bytes would."""
+
+    def __init__(self, keys):
+        super().__init__()
+        self.keys = set(keys)
+
+    def decode_resized_crop(self, data, plan, *, key="", reduce=False):
+        if key in self.keys:
+            ctypes.PyDLL(None).sleep(3600)  # PyDLL: the GIL stays held; signals do not help
+        return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
+
+
+class CorruptOn(PilDecoder):
+    """The same keys as plain damage: what the deadline's run must match."""
+
+    def __init__(self, keys):
+        super().__init__()
+        self.keys = set(keys)
+
+    def decode_resized_crop(self, data, plan, *, key="", reduce=False):
+        if key in self.keys:
+            raise DecodeError("corrupt", key, "stands in for a stuck sample")
+        return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("deadline"))
+    write_corpus(SPEC, out)
+    return out
+
+
+def _dataset(corpus, decoder, on_error, source="posix", deadline=DEADLINE):
+    root = f"{corpus}/{'shards' if source == 'shards' else 'posix'}"
+    return MultimodalDataset(root, source=source, decoder=decoder, size=32, crop="center",
+                             on_error=on_error, decode_deadline=deadline)
+
+
+def _item_keys(data):
+    keys = data.source.keys()
+    return [keys[i] for i in data._index()]
+
+
+def _stuck_keys(corpus, n=2):
+    keys = _item_keys(_dataset(corpus, PilDecoder(), "raise", deadline=None))
+    return [keys[5], keys[17]][:n]
+
+
+def _keys(loader, epochs=1):
+    out = []
+    for epoch in range(epochs):
+        out.append([k for batch in loader for k in batch["key"]])
+        assert all(len(b) == 4 for b in [out[-1][i:i + 4] for i in range(0, len(out[-1]), 4)])
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_stuck_sample_is_replaced_like_a_corrupt_one(corpus, transport):
+    stuck = _stuck_keys(corpus)
+    clean = _dataset(corpus, CorruptOn(stuck), "replace", deadline=None)
+    want = _keys(fastmm.DataLoader(clean, batch_size=4, num_workers=2))[0]
+    data = _dataset(corpus, StuckOn(stuck), "replace")
+    started = time.monotonic()
+    got = _keys(fastmm.DataLoader(data, batch_size=4, num_workers=2))[0]
+    took = time.monotonic() - started
+    assert got == want and not set(stuck) & set(got) and len(got) == SPEC.num_images
+    assert data.skipped == {"deadline": 2} and data.replaced == 2
+    assert took < 2 * (DEADLINE + 5), took  # one deadline per stuck sample, plus restarts
+
+
+@pytest.mark.timeout(120)
+def test_skip_remembers_expired_samples_across_epochs(corpus):
+    """Persistent workers: the second epoch skips the stuck samples at once, no worker killed
+    (the expired set is shared memory every worker reads)."""
+    stuck = _stuck_keys(corpus)
+    data = _dataset(corpus, StuckOn(stuck), "skip")
+    loader = fastmm.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True)
+    first = [k for batch in loader for k in batch["key"]]
+    pids = [w.pid for w in loader._iterator._workers]
+    started = time.monotonic()
+    second = [k for batch in loader for k in batch["key"]]
+    assert time.monotonic() - started < DEADLINE  # nothing waited on a deadline
+    assert [w.pid for w in loader._iterator._workers] == pids
+    keys = _item_keys(data)
+    assert first == second == [k for k in keys if k not in stuck]
+    assert data.skipped == {"deadline": 4}  # counted each time met
+    assert data.state_dict()["expired"] == sorted(keys.index(k) for k in stuck)
+
+
+@pytest.mark.timeout(60)
+def test_raise_names_the_stuck_key_within_the_deadline(corpus):
+    stuck = _stuck_keys(corpus, n=1)
+    data = _dataset(corpus, StuckOn(stuck), "raise")
+    started = time.monotonic()
+    with pytest.raises(DecodeError, match=f"deadline.*{stuck[0]}"):
+        for _ in fastmm.DataLoader(data, batch_size=4, num_workers=2):
+            pass
+    assert time.monotonic() - started < DEADLINE + 10
+
+
+@pytest.mark.timeout(120)
+def test_shard_stream_with_a_stuck_sample(corpus):
+    """An IterableDataset over the dataset: the replacement worker picks up where the stuck
+    one was and the stream stays the one a corrupt sample gives."""
+    stuck = _stuck_keys(corpus, n=1)
+
+    def run(decoder, deadline):
+        stream = ShardStream(_dataset(corpus, decoder, "skip", "shards", deadline), shuffle=False)
+        return [k for b in fastmm.DataLoader(stream, batch_size=4, num_workers=2) for k in b["key"]]
+
+    assert run(StuckOn(stuck), DEADLINE) == run(CorruptOn(stuck), None)
+
+
+def test_without_worker_processes_the_deadline_warns(corpus):
+    data = _dataset(corpus, PilDecoder(), "raise")
+    with pytest.warns(FastmmWarning, match="num_workers > 0"):
+        batch = next(iter(fastmm.DataLoader(data, batch_size=4)))
+    assert batch["image"].shape == (4, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        next(iter(fastmm.DataLoader(_dataset(corpus, PilDecoder(), "raise"), batch_size=4,
+                                    num_workers=1)))
+
+
+def test_deadline_from_argument_and_environment(monkeypatch):
+    monkeypatch.delenv("FASTMM_DECODE_DEADLINE", raising=False)
+    assert decode_deadline(None) is None and decode_deadline(0) is None
+    assert decode_deadline(2.5) == 2.5
+    monkeypatch.setenv("FASTMM_DECODE_DEADLINE", "30")
+    assert decode_deadline(None) == 30.0 and decode_deadline(4) == 4.0
+    for bad in ("soon", "-1", "inf", "nan"):
+        monkeypatch.setenv("FASTMM_DECODE_DEADLINE", bad)
+        with pytest.raises(ConfigError, match="FASTMM_DECODE_DEADLINE"):
+            decode_deadline(None)
+    with pytest.raises(ValueError, match="decode_deadline"):
+        decode_deadline(-3)
+
+
+@pytest.mark.filterwarnings("ignore::fastmm.doctor.FastmmWarning")  # used without a loader
+def test_expired_samples_travel_in_the_state_dict(corpus):
+    data = _dataset(corpus, PilDecoder(), "skip")
+    data.sample_watch.expire(3, None)
+    again = _dataset(corpus, PilDecoder(), "skip")
+    again.load_state_dict(data.state_dict())
+    assert again[3] is None and again.skipped == {"deadline": 1}
+    assert isinstance(again[4]["image"], torch.Tensor)
+
+
+@pytest.mark.parametrize("loader_class", [torch.utils.data.DataLoader, fastmm.DataLoader])
+def test_worker_errors_keep_their_type_and_fields(corpus, loader_class):
+    """torch's DataLoader re-raises a worker's error as type(traceback text): ours rebuild
+    reason and key from it (before, DecodeError's signature made that a RuntimeError)."""
+    stuck = _stuck_keys(corpus, n=1)
+    data = _dataset(corpus, CorruptOn(stuck), "raise", deadline=None)
+    with pytest.raises(DecodeError, match="Caught DecodeError in DataLoader worker") as caught:
+        for _ in loader_class(data, batch_size=4, num_workers=1):
+            pass
+    assert (caught.value.reason, caught.value.key) == ("corrupt", stuck[0])
+    text = "Caught SourceError ...\nfastmm.sources.base.SourceError: truncated: cut (key=\"a'b\", origin=/s.tar:512)\n"
+    error = SourceError(text)
+    assert (error.reason, error.key, str(error)) == ("truncated", "a'b", text)
