@@ -1,11 +1,13 @@
 """A generated corpus of over 200 damaged samples (truncated at many points, bit-flipped, zero
-bytes, garbage, bogus dimensions, wrong extensions, missing members) through every decoder: no
+bytes, garbage, bogus dimensions, wrong extensions, missing members, videos with no index or
+absurd frame counts and durations, a shard cut short) through every decoder: no
 crash and no hang; every sample either decodes to the asked shape or is counted as skipped with
 its key; under on_error="replace" every batch is full."""
 
 from __future__ import annotations
 
 import io
+import pathlib
 import random
 import shutil
 import struct
@@ -45,6 +47,21 @@ def _bogus_png_size(png: bytes) -> bytes:
     return png[:16] + struct.pack(">II", 60000, 60000) + png[24:]  # IHDR, CRC now wrong too
 
 
+def _mp4_patched(mp4: bytes, box: bytes, offset: int, value: int) -> bytes:
+    """One 32-bit field of an MP4 box, ``offset`` bytes after its type, set to ``value``."""
+    at = mp4.index(box) + 4 + offset
+    return mp4[:at] + struct.pack(">I", value) + mp4[at + 4:]
+
+
+def _bad_video_headers(mp4: bytes) -> list[bytes]:
+    """No index (the moov box renamed), absurd frame counts (stsz, stts), durations, a zero
+    timescale, chunk offsets past the end."""
+    return [mp4.replace(b"moov", b"free"), _mp4_patched(mp4, b"stsz", 8, 0x7FFFFFFF),
+            _mp4_patched(mp4, b"stts", 8, 0x7FFFFFFF), _mp4_patched(mp4, b"mdhd", 16, 0xFFFFFFFF),
+            _mp4_patched(mp4, b"mvhd", 16, 0xFFFFFFFF), _mp4_patched(mp4, b"mdhd", 12, 0),
+            _mp4_patched(mp4, b"stco", 8, 0x7FFFFFFF)]
+
+
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
@@ -62,12 +79,15 @@ def hostile(tmp_path_factory):
         images += [(ext, d) for d in _damaged(data, seed)]
     images += [("jpg", _bogus_jpeg_size(jpg)), ("png", _bogus_png_size(png)), ("jpg", png),
                ("png", jpg), ("jpg", mp4), ("jpg", jpg), ("png", png)]
-    videos += [("mp4", d) for d in _damaged(mp4, 3)[::2]] + [("mp4", jpg), ("mp4", mp4)]
+    videos += [("mp4", d) for d in _damaged(mp4, 3)[::2] + _bad_video_headers(mp4)]
+    videos += [("mp4", jpg), ("mp4", mp4)]
     samples = [(f"img{i:04d}", {ext: d, "cls": b"1"}) for i, (ext, d) in enumerate(images)]
     samples += [(f"vid{i:04d}", {ext: d, "cls": b"2"}) for i, (ext, d) in enumerate(videos)]
     samples += [(f"nomedia{i}", {"txt": b"caption only", "cls": b"3"}) for i in range(3)]
     assert len(samples) >= 200
-    write_shards(samples, str(root / "shards"), max_count=25)
+    shards = write_shards(samples, str(root / "shards"), max_count=25)
+    whole = pathlib.Path(shards[0]).read_bytes()  # and a shard cut short: a truncated member
+    (root / "shards" / "zz-cut.tar").write_bytes(whole[: len(whole) * 3 // 5])
     return str(root / "shards"), {k for k, _ in samples}
 
 
@@ -96,6 +116,7 @@ def test_every_damaged_image_decodes_or_is_counted(hostile, decoder):
                                   decode_deadline=60)
     good, problems = _check(ds, keys, "image")
     assert good >= 3 and sum(problems.values()) >= 100  # the intact ones decode, most don't
+    assert problems.get("truncated")  # the shard cut short
 
 
 def test_every_damaged_video_decodes_or_is_counted(hostile):

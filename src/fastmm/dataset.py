@@ -229,8 +229,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
     "posix"), ``decoder`` (a name: "pil", "torchvision", "torchcodec", "dali", default
     FASTMM_DECODE then "pil"; or a decoder object) and ``device`` (default FASTMM_DEVICE, then
     "cpu") switch backends without touching training code. ``modality`` keeps only image or only
-    video samples (decided from member extensions, nothing read); samples with neither are left
-    out. ``size`` (int or (h, w)) plus ``crop`` ("random": RandomResizedCrop + flip as
+    video samples (decided from member extensions, nothing read); intact samples with neither
+    are left out. ``size`` (int or (h, w)) plus ``crop`` ("random": RandomResizedCrop + flip as
     torchvision draws them; "center") give every item the same shape so batches collate; or give
     a ``ResizedCrop``. ``reduce=True`` is the fast path (pil and torchvision backends): JPEGs
     decode at a DCT-reduced scale when the crop is at least twice the output size, the rest are
@@ -299,9 +299,11 @@ class MultimodalDataset(torch.utils.data.Dataset):
         if self._items is None:
             wanted = {"image": IMAGE_EXTS, "video": VIDEO_EXTS}.get(self.modality,
                                                                     IMAGE_EXTS + VIDEO_EXTS)
+            # a damaged sample may have lost the member that says what it is: kept, so that
+            # reading it counts the damage (dropped here, it would be lost uncounted)
             self._items = [
                 i for i in range(len(self.source))
-                if any(ext in wanted for ext in self.source.extensions(i))
+                if self.source.damaged(i) or any(e in wanted for e in self.source.extensions(i))
             ]
         return self._items
 

@@ -131,6 +131,10 @@ class Source:
         """Which tar shard sample ``index`` is in (their order in the source), or None."""
         return None
 
+    def damaged(self, index: int) -> bool:
+        """Known from the index alone to be damaged (reading it reports how)."""
+        return False
+
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:

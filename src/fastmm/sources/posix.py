@@ -156,6 +156,9 @@ class PosixSource(Source):
     def extensions(self, index: int) -> tuple[str, ...]:
         return tuple(self._index()[index][1])
 
+    def damaged(self, index: int) -> bool:
+        return self._index()[index][3] is not None
+
     def read(self, index: int) -> Sample:
         """The sample at ``index``; with on_error="skip" a member that cannot be read is counted
         and left out (the sample cannot be skipped: the index is the caller's)."""

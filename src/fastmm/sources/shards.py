@@ -343,6 +343,9 @@ class ShardSource(Source):
     def shard_of(self, index: int) -> int:
         return self._index()[index][0]
 
+    def damaged(self, index: int) -> bool:
+        return self._index()[index][4] is not None
+
     def read(self, index: int) -> Sample:
         """One sample by index: one seek and one read spanning its members."""
         s, key, offset, members, problem = self._index()[index]

@@ -210,6 +210,9 @@ class StagedSource(Source):
     def shard_of(self, index: int) -> int | None:
         return self.inner.shard_of(index)
 
+    def damaged(self, index: int) -> bool:
+        return self.inner.damaged(index)
+
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:
