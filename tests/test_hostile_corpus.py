@@ -7,10 +7,14 @@ its key; under on_error="replace" every batch is full."""
 from __future__ import annotations
 
 import io
+import json
 import pathlib
 import random
+import re
 import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -135,3 +139,29 @@ def test_replace_keeps_every_batch_full(hostile):
     sizes = [len(b["image"]) for b in fastmm.DataLoader(ds, batch_size=8, num_workers=2,
                                                         drop_last=True)]
     assert sizes and set(sizes) == {8} and ds.replaced > 0
+
+
+_REPORT_JOB = """
+import json, sys, fastmm
+ds = fastmm.MultimodalDataset(sys.argv[1], source="shards", decoder="pil", size=16,
+                              modality="image", on_error="skip")
+loader = fastmm.DataLoader(ds, batch_size=None, num_workers=2, collate_fn=lambda item: item)
+print(json.dumps({"decoded": sum(item is not None for item in loader), "skipped": ds.skipped}))
+"""
+
+
+def test_every_skip_is_reported_with_its_key(hostile):
+    """In a plain process (no test harness holding the log): one 'fastmm' log line per counted
+    sample, naming its key and where its bytes came from, written by the worker that met it."""
+    shards, keys = hostile
+    run = subprocess.run([sys.executable, "-c", _REPORT_JOB, shards], capture_output=True,
+                         text=True, timeout=300, check=True)
+    result = json.loads(run.stdout)
+    lines = re.findall(r"^fastmm: skipped sample '([^']+)' \(([^)]*)\): (\w+):", run.stderr, re.M)
+    assert len(lines) == sum(result["skipped"].values()) >= 100
+    assert {key for key, _, _ in lines} <= keys
+    assert all(origin.startswith(shards) and ".tar:" in origin for _, origin, _ in lines)
+    by_reason = {}
+    for _, _, reason in lines:
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    assert by_reason == result["skipped"]
