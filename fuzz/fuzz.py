@@ -12,6 +12,8 @@ Targets:
           64-bit range): the same bytes written or the same error, never a crash.
   layout  the slab layout tables a worker sends with a batch (collate.unpack): any table gives
           tensors inside the slabs they name or a ValueError, never a read outside them.
+  state   a loader's state_dict damaged a field at a time (a checkpoint edited or cut):
+          load_state_dict raises ValueError, or what it loads can be applied.
 
 A crash or a hang (-timeout, default 10 s here) writes the input to crash-*/timeout-* and exits
 non-zero. The seeds (valid tars of each format, a real index, real layouts) are made at start.
@@ -19,6 +21,8 @@ non-zero. The seeds (valid tars of each format, a real index, real layouts) are 
 
 from __future__ import annotations
 
+import base64
+import copy
 import io
 import json
 import os
@@ -26,13 +30,15 @@ import struct
 import sys
 import tarfile
 import tempfile
+import zlib
 
 import atheris
 
 with atheris.instrument_imports(include=["fastmm"]):
     import torch
 
-    from fastmm import _twin, collate
+    import fastmm
+    from fastmm import _twin, collate, resume
     from fastmm.sources import SourceError
     from fastmm.sources.shards import ShardSource, _valid_index, iter_members
 
@@ -263,11 +269,91 @@ def _layout_seeds() -> list[bytes]:
     return [struct.pack("<QQ", 4096, 2048) + bytes(range(256)) * 2]
 
 
+# -- state -------------------------------------------------------------------------------------
+
+
+class _StateTarget:
+    """A real mid-epoch state of a 2-worker shuffled loader, then damaged a field at a time."""
+
+    def __init__(self):
+        self.make = lambda: fastmm.DataLoader(list(range(64)), batch_size=4, shuffle=True,
+                                              num_workers=2, generator=torch.Generator())
+        loader = self.make()
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        self.state = loader.state_dict()
+        del it
+
+    def _value(self, fdp):
+        kind = fdp.ConsumeIntInRange(0, 7)
+        if kind == 0:
+            return None
+        if kind == 1:
+            return _edgy(fdp, 70) * (-1 if fdp.ConsumeBool() else 1)
+        if kind == 2:
+            return fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 40))
+        if kind == 3:
+            return fdp.ConsumeBool()
+        if kind == 4:
+            return fdp.ConsumeRegularFloat()
+        if kind == 5:
+            return [self._value(fdp) for _ in range(fdp.ConsumeIntInRange(0, 3))]
+        if kind == 6:
+            return {}
+        return base64.b64encode(zlib.compress(fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 6000)))
+                                ).decode()
+
+    def one(self, data: bytes) -> None:
+        fdp = atheris.FuzzedDataProvider(data)
+        state = copy.deepcopy(self.state)
+        for _ in range(fdp.ConsumeIntInRange(1, 3)):  # replace or drop a field somewhere
+            node = state
+            while True:
+                keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+                if not keys:
+                    break
+                key = keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]
+                child = node[key]
+                if isinstance(child, (dict, list)) and child and fdp.ConsumeBool():
+                    node = child
+                    continue
+                if isinstance(node, dict) and fdp.ConsumeIntInRange(0, 7) == 0:
+                    del node[key]
+                else:
+                    node[key] = self._value(fdp)
+                break
+        loader = self.make()
+        try:
+            loader.load_state_dict(state)
+        except ValueError:
+            return
+        p = loader.__dict__["_fastmm_progress"]  # what the next iterator would start from
+        with resume.KeepRng(loader.generator):
+            for rng in p.worker_rng:
+                if rng is not None:
+                    resume.apply_rng(rng)
+            if p.sampler_rng is not None:
+                resume._set_generator_states(p.sampler_rng, loader.generator)
+        assert len(p.worker_batches) == 2 and all(type(b) is int and b >= 0
+                                                   for b in [p.batches, *p.worker_batches])
+
+
+_state = None
+
+
+def state_one(data: bytes) -> None:
+    global _state
+    _state = _state or _StateTarget()
+    _state.one(data)
+
+
 TARGETS = {
     "tar": (tar_one, _tar_seeds),
     "index": (index_one, lambda: [_IndexTarget().seed, b"{}"]),
     "gather": (gather_one, lambda: [bytes(64), bytes(range(256))]),
     "layout": (layout_one, _layout_seeds),
+    "state": (state_one, lambda: [bytes(16), bytes(range(256))]),
 }
 
 

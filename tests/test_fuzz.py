@@ -1,6 +1,7 @@
 """A short bounded run of each atheris target in fuzz/fuzz.py (the longer runs' figures are in
-docs/faults.md): the tar reader, the shard index cache, fastmm._C.gather against its twin, and
-the slab layout tables. A crash or hang fails with the input that caused it."""
+docs/faults.md): the tar reader, the shard index cache, fastmm._C.gather against its twin, the
+slab layout tables and a damaged loader state. A crash or hang fails with the input that caused
+it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ SECONDS = int(os.environ.get("FASTMM_FUZZ_SECONDS", "12"))
 
 
 @pytest.mark.timeout(SECONDS + 120)
-@pytest.mark.parametrize("target", ["tar", "index", "gather", "layout"])
+@pytest.mark.parametrize("target", ["tar", "index", "gather", "layout", "state"])
 def test_fuzz_target_finds_nothing_in_a_short_run(target, tmp_path):
     corpus = tmp_path / "corpus"
     run = subprocess.run(

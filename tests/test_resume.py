@@ -5,6 +5,7 @@ and after kill -9 of a whole two-rank job."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -215,6 +217,31 @@ def test_a_state_from_something_else_is_refused():
     for bad in ({}, {"fastmm_loader_state": 99}, [1, 2]):
         with pytest.raises(ValueError, match="not a fastmm DataLoader state"):
             loader.load_state_dict(bad)
+
+
+_DAMAGE = {
+    "a field gone": lambda s: s.pop("workers"),
+    "a negative count": lambda s: s.update(batches=-1),
+    "counts of another type": lambda s: s.update(worker_batches="xx"),
+    "a worker's state cut short": lambda s: s["workers"][0].update(torch=s["generator"][:40]),
+    "a generator state of the wrong size": lambda s: s.update(
+        generator=base64.b64encode(zlib.compress(b"\0" * 100)).decode()),
+    "a random state of the wrong size": lambda s: s["workers"][0]["random"].update(words=""),
+    "a worker list of another length": lambda s: s["workers"].append(None),
+}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGE))
+def test_a_damaged_state_is_a_value_error(damage):
+    """Found by fuzz/fuzz.py state: before, KeyError, TypeError, AttributeError, or a
+    RuntimeError later when the states were applied."""
+    loader = _shuffled(generator=torch.Generator())
+    it = iter(loader)
+    next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    _DAMAGE[damage](state)
+    with pytest.raises(ValueError, match="damaged fastmm DataLoader state"):
+        _shuffled(generator=torch.Generator()).load_state_dict(state)
 
 
 def test_a_fresh_loader_state_restores_to_a_fresh_start():

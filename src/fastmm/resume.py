@@ -74,7 +74,7 @@ def _unb64(text: str) -> bytes:
     try:
         return zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
     except (ValueError, zlib.error) as e:
-        raise ValueError(f"a damaged RNG state in the loader state: {e}") from None
+        raise ValueError(f"a damaged fastmm DataLoader state: an RNG state ({e})") from None
 
 
 def encode_rng(state: tuple) -> dict:
@@ -93,12 +93,37 @@ def encode_rng(state: tuple) -> dict:
 def decode_rng(data: dict) -> tuple:
     r = data["random"]
     raw = _unb64(r["words"])
-    words = struct.unpack(f"<{len(raw) // 4}I", raw)
+    _check(len(raw) == 4 * 625 and r["version"] == 3 and _real_or_none(r["gauss"]),
+           "a worker's random state")
+    words = struct.unpack("<625I", raw)
     numpy_state = None
     if "numpy" in data:
         n = data["numpy"]
         numpy_state = (_unb64(n["key"]), n["pos"], n["has_gauss"], n["gauss"])
-    return _unb64(data["torch"]), (r["version"], words, r["gauss"]), numpy_state
+        _check(len(numpy_state[0]) == 4 * 624 and _count(n["pos"]) and n["pos"] <= 624
+               and n["has_gauss"] in (0, 1) and _real_or_none(n["gauss"]),
+               "a worker's NumPy state")
+    return _torch_state(data["torch"]), (r["version"], words, r["gauss"]), numpy_state
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"a damaged fastmm DataLoader state: {what}")
+
+
+def _count(x) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _real_or_none(x) -> bool:
+    return x is None or type(x) in (int, float)
+
+
+def _torch_state(text: str) -> bytes:
+    """A torch CPU generator's state, checked for size (set_state would fail later)."""
+    raw = _unb64(text)
+    _check(len(raw) == len(_state_of(torch.default_generator)), "a torch generator state")
+    return raw
 
 
 def _state_of(generator: torch.Generator) -> bytes:
@@ -317,7 +342,14 @@ def encode(loader, progress: Progress | None) -> dict:
 
 def decode(loader, state: dict) -> Progress:
     """The Progress a restored loader starts from; raises ValueError where resuming would
-    reorder, repeat or skip samples."""
+    reorder, repeat or skip samples, or where the state is damaged (fuzz/fuzz.py state)."""
+    try:
+        return _decode(loader, state)
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(f"a damaged fastmm DataLoader state ({type(e).__name__}: {e})") from None
+
+
+def _decode(loader, state: dict) -> Progress:
     if not isinstance(state, dict) or state.get("fastmm_loader_state") != VERSION:
         raise ValueError(
             "not a fastmm DataLoader state (version "
@@ -345,14 +377,21 @@ def decode(loader, state: dict) -> Progress:
     p = Progress(loader.num_workers)
     if same_workers:  # else: a new worker layout starts from fresh seeds, as a new iterator does
         p.base_seed = state["base_seed"]
+        _check(p.base_seed is None or _count(p.base_seed), "base_seed")
+        _check(len(state["workers"]) == loader.num_workers, "workers")
         p.worker_rng = [None if s is None else decode_rng(s) for s in state["workers"]]
     if mid_epoch:
         p.batches = state["batches"]
         p.worker_batches = list(state["worker_batches"])
         p.last_worker = state["last_worker"]
+        _check(_count(p.batches) and len(p.worker_batches) == loader.num_workers
+               and all(map(_count, p.worker_batches)) and sum(p.worker_batches) <= p.batches
+               and (p.last_worker is None or _count(p.last_worker)
+                    and p.last_worker < max(1, loader.num_workers)), "batch counts")
         rng = state["sampler_rng"]
         p.sampler_rng = None if rng is None else (
-            _unb64(rng["torch"]), None if rng["generator"] is None else _unb64(rng["generator"]))
+            _torch_state(rng["torch"]),
+            None if rng["generator"] is None else _torch_state(rng["generator"]))
         p.sampler_state = state["sampler"]
     else:
         p.done = True
@@ -360,7 +399,7 @@ def decode(loader, state: dict) -> Progress:
         if sampler is not None and state["sampler"] is not None:
             sampler.load_state_dict(state["sampler"])
     if loader.generator is not None and state.get("generator") is not None:
-        _set_state(loader.generator, _unb64(state["generator"]))
+        _set_state(loader.generator, _torch_state(state["generator"]))
     dataset_load = getattr(loader.dataset, "load_state_dict", None)
     if state.get("dataset") is not None and callable(dataset_load):
         dataset_load(state["dataset"])
