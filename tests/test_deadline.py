@@ -18,7 +18,7 @@ from fastmm.config import ConfigError, decode_deadline
 from fastmm.dataset import MultimodalDataset
 from fastmm.decode import DecodeError
 from fastmm.decode.pil import Decoder as PilDecoder
-from fastmm.doctor import FastmmWarning
+from fastmm import FastmmWarning
 from fastmm.sources import SourceError
 from fastmm.stream import ShardStream
 
@@ -165,7 +165,7 @@ def test_deadline_from_argument_and_environment(monkeypatch):
         decode_deadline(-3)
 
 
-@pytest.mark.filterwarnings("ignore::fastmm.doctor.FastmmWarning")  # used without a loader
+@pytest.mark.filterwarnings("ignore::fastmm.FastmmWarning")  # used without a loader
 def test_expired_samples_travel_in_the_state_dict(corpus):
     data = _dataset(corpus, PilDecoder(), "skip")
     data.sample_watch.expire(3, None)

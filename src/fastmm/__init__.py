@@ -6,6 +6,7 @@ from .config import ConfigError, TransportConfig
 from .dataset import MultimodalDataset, ResizedCrop
 from .decode import ClipSpec, DecodeError, DecodeLimitError, DecodeLimits
 from .distributed import DistributedSampler
+from .errors import FastmmWarning
 from .loader import DataLoader
 from .slabs import SharedMemoryError, uses_cpp
 from .stream import ShardStream
@@ -21,6 +22,7 @@ __all__ = [
     "DecodeLimitError",
     "DecodeLimits",
     "DistributedSampler",
+    "FastmmWarning",
     "MultimodalDataset",
     "ResizedCrop",
     "ShardStream",

@@ -31,7 +31,7 @@ import torch.utils.data
 from . import config
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
-from .doctor import FastmmWarning
+from .errors import FastmmWarning
 from .sources import Problem, Source, SourceError, open_source
 from .telemetry import stage
 

@@ -18,12 +18,9 @@ import warnings
 import torch
 
 from .config import TransportConfig
+from .errors import FastmmWarning
 
 LARGE_PYTHON_CONTAINER = 100_000  # items: each one's refcount write in a worker copies a page
-
-
-class FastmmWarning(UserWarning):
-    """A pre-flight finding: the loader runs, but something here will hurt."""
 
 
 def usable_cores() -> int:

@@ -1,5 +1,6 @@
-"""The base of SourceError and DecodeError: one bad sample, named by ``reason`` (its counter
-under on_error="skip"/"replace") and ``key``."""
+"""fastmm's own error and warning bases: SampleError (under SourceError and DecodeError: one bad
+sample, named by ``reason``, its counter under on_error="skip"/"replace", and ``key``) and
+FastmmWarning."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import re
 
 # the last line of a worker's traceback: "...DecodeError: reason: message (key='k'...)"
 _LAST_LINE = re.compile(r"Error: (\w+): .*\(key=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")")
+
+
+class FastmmWarning(UserWarning):
+    """The loader runs, but something here will hurt (a pre-flight finding, a deadline that
+    cannot be enforced)."""
 
 
 class SampleError(ValueError):
