@@ -75,7 +75,9 @@ def test_busy_loop_waits_little_and_steps_at_its_compute_time(loader_cls):
     for _ in tm.watch(loader_cls(Fast(), batch_size=4, num_workers=2)):
         time.sleep(0.02)  # the model's step, data ready meanwhile
     m = tm.summary()["metrics"]
-    assert m["queue_wait_s"]["p50"] < 0.002
+    # a ready batch costs torch's queue ~1 ms to hand over, up to 2.5 ms on a loaded machine
+    # (seen in CI under a fuzzer); counting the 20 ms step as waiting would be far above
+    assert m["queue_wait_s"]["p50"] < 0.005
     assert 0.02 <= m["step_s"]["p50"] <= 0.024
 
 
