@@ -188,3 +188,14 @@ def test_worker_errors_keep_their_type_and_fields(corpus, loader_class):
     text = "Caught SourceError ...\nfastmm.sources.base.SourceError: truncated: cut (key=\"a'b\", origin=/s.tar:512)\n"
     error = SourceError(text)
     assert (error.reason, error.key, str(error)) == ("truncated", "a'b", text)
+
+
+@pytest.mark.timeout(60)
+def test_too_many_expired_samples_is_an_error_not_a_loop(corpus):
+    """Past SampleWatch.CAP remembered samples, one more could not be remembered: tried again,
+    it would stick again, forever; so the loop stops with an error."""
+    data = _dataset(corpus, StuckOn(_stuck_keys(corpus)), "skip")
+    data.sample_watch.CAP = 1
+    with pytest.raises(RuntimeError, match="more than 1 samples took over decode_deadline"):
+        for _ in fastmm.DataLoader(data, batch_size=4, num_workers=2):
+            pass

@@ -197,12 +197,16 @@ class SampleWatch(_Shared):
                 out.append((w, int(self._array[self.ROWS + self._row(w)])))
         return out
 
-    def expire(self, item: int, worker_id: int) -> None:
+    def expire(self, item: int, worker_id: int | None) -> bool:
+        """Remember ``item`` as expired; False once CAP samples are (the caller must stop: a
+        sample not remembered would be tried, and stick, again)."""
         self._array[self._row(worker_id)] = 0.0
         n = int(self._array[2 * self.ROWS + 1])
-        if n < self.CAP:
-            self._array[2 * self.ROWS + 2 + n] = item
-            self._array[2 * self.ROWS + 1] = n + 1
+        if n >= self.CAP:
+            return False
+        self._array[2 * self.ROWS + 2 + n] = item
+        self._array[2 * self.ROWS + 1] = n + 1
+        return True
 
     def expired(self) -> frozenset[int]:
         n = int(self._array[2 * self.ROWS + 1])

@@ -354,7 +354,11 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         active = [i for i in range(self._num_workers) if self._workers_status[i]]
         stuck = self._watch.overdue(active)
         for worker_id, item in stuck:
-            self._watch.expire(item, worker_id)
+            if not self._watch.expire(item, worker_id):
+                raise RuntimeError(
+                    f"more than {self._watch.CAP} samples took over decode_deadline="
+                    f"{self._watch.deadline:g}s: the deadline is too short for this data, or "
+                    "the decoder is broken")
             worker = self._workers[worker_id]
             log.warning("fastmm: worker %d (pid %d) spent over decode_deadline=%gs on sample "
                         "%d: replacing it", worker_id, worker.pid, self._watch.deadline, item)
