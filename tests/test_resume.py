@@ -244,6 +244,22 @@ def test_a_damaged_state_is_a_value_error(damage):
         _shuffled(generator=torch.Generator()).load_state_dict(state)
 
 
+class RefusesItsState(Augmented):
+    def load_state_dict(self, state):
+        raise KeyError("the dataset's own complaint")
+
+    def state_dict(self):
+        return {"mine": 1}
+
+
+def test_a_datasets_own_load_error_is_not_called_damage():
+    """Only the loader's part of the state is read as possibly damaged; the dataset's (and a
+    sampler's) load_state_dict runs after it is all checked, and its errors stay its own."""
+    state = fastmm.DataLoader(RefusesItsState(), batch_size=4).state_dict()
+    with pytest.raises(KeyError, match="the dataset's own complaint"):
+        fastmm.DataLoader(RefusesItsState(), batch_size=4).load_state_dict(state)
+
+
 def test_a_fresh_loader_state_restores_to_a_fresh_start():
     _seed_main(0)
     full = _batches(_shuffled())

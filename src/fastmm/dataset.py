@@ -295,6 +295,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self._counters = _Counters()
         deadline = config.decode_deadline(decode_deadline)
         self.sample_watch = SampleWatch(deadline) if deadline else None
+        self._said_unwatched = False  # warned that no loader enforces the deadline here
         self._items: list[int] | None = None
 
     # -- index ---------------------------------------------------------------------------------
@@ -390,7 +391,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
             raise DecodeError("deadline", self.source.keys()[self._items[item]],
                               f"took over decode_deadline={watch.deadline:g}s before; its "
                               f"worker was replaced and the sample is not tried again")
-        if not watch.watched and not getattr(self, "_said_unwatched", False):
+        if not watch.watched and not self._said_unwatched:
             self._said_unwatched = True
             warnings.warn("fastmm: decode_deadline is enforced by fastmm.DataLoader with "
                           "num_workers > 0 (it replaces a stuck worker); here a stuck sample "

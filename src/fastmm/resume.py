@@ -342,14 +342,26 @@ def encode(loader, progress: Progress | None) -> dict:
 
 def decode(loader, state: dict) -> Progress:
     """The Progress a restored loader starts from; raises ValueError where resuming would
-    reorder, repeat or skip samples, or where the state is damaged (fuzz/fuzz.py state)."""
+    reorder, repeat or skip samples, or where the state is damaged (fuzz/fuzz.py state).
+    The whole state is read and checked before anything is applied; the sampler's and the
+    dataset's own load_state_dict run last, their errors their own."""
     try:
-        return _decode(loader, state)
+        p, sampler_state, generator_state = _read(loader, state)
     except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise ValueError(f"a damaged fastmm DataLoader state ({type(e).__name__}: {e})") from None
+    if sampler_state is not None:
+        _sampler_with_state(loader).load_state_dict(sampler_state)
+    if generator_state is not None:
+        _set_state(loader.generator, generator_state)
+    dataset_load = getattr(loader.dataset, "load_state_dict", None)
+    if state.get("dataset") is not None and callable(dataset_load):
+        dataset_load(state["dataset"])
+    return p
 
 
-def _decode(loader, state: dict) -> Progress:
+def _read(loader, state: dict) -> tuple[Progress, object, bytes | None]:
+    """The Progress in ``state``, and the states to set now (between epochs, the sampler's;
+    the loader generator's), checked."""
     if not isinstance(state, dict) or state.get("fastmm_loader_state") != VERSION:
         raise ValueError(
             "not a fastmm DataLoader state (version "
@@ -380,6 +392,7 @@ def _decode(loader, state: dict) -> Progress:
         _check(p.base_seed is None or _count(p.base_seed), "base_seed")
         _check(len(state["workers"]) == loader.num_workers, "workers")
         p.worker_rng = [None if s is None else decode_rng(s) for s in state["workers"]]
+    sampler_state = None
     if mid_epoch:
         p.batches = state["batches"]
         p.worker_batches = list(state["worker_batches"])
@@ -395,12 +408,9 @@ def _decode(loader, state: dict) -> Progress:
         p.sampler_state = state["sampler"]
     else:
         p.done = True
-        sampler = _sampler_with_state(loader)
-        if sampler is not None and state["sampler"] is not None:
-            sampler.load_state_dict(state["sampler"])
+        if _sampler_with_state(loader) is not None:
+            sampler_state = state["sampler"]
+    generator_state = None
     if loader.generator is not None and state.get("generator") is not None:
-        _set_state(loader.generator, _torch_state(state["generator"]))
-    dataset_load = getattr(loader.dataset, "load_state_dict", None)
-    if state.get("dataset") is not None and callable(dataset_load):
-        dataset_load(state["dataset"])
-    return p
+        generator_state = _torch_state(state["generator"])
+    return p, sampler_state, generator_state
