@@ -71,6 +71,21 @@ def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
     return state
 
 
+class StopFlag:
+    """The loader's "workers, stop" signal: one shared byte, read and written without a lock.
+    A multiprocessing.Event takes a lock inside is_set(); a worker killed while holding it
+    (respawn, the decode deadline) left every other worker blocked on it forever."""
+
+    def __init__(self, context):
+        self._value = context.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+
 def _exit_when_orphaned() -> None:
     """A daemon thread that ends this worker soon after the main process dies, even while
     user code is busy: no worker outlives a ``kill -9`` of its parent by more than a moment."""

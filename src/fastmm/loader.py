@@ -37,7 +37,7 @@ from torch.utils.data.dataloader import (
 )
 
 from . import collate, resume
-from ._workers import worker_loop
+from ._workers import StopFlag, worker_loop
 from .config import TelemetryConfig, TransportConfig
 from .slabs import SlabRing
 from .telemetry import Telemetry
@@ -248,7 +248,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._ring = SlabRing(
             self._prefetch_factor + 1, pin=pin, unpin=unpin, lean=transport.slab_memory == "lean"
         )
-        self._workers_done_event = context.Event()
+        self._workers_done_event = StopFlag(context)
         self._context, self._transport = context, transport
         self._respawn = loader.on_worker_failure == "respawn"
         self._watch = _sample_watch(self._dataset)  # a decode deadline to hold workers to
