@@ -16,6 +16,7 @@ Messages to the main process (on the worker's result connection), all tuples:
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import random
@@ -118,6 +119,10 @@ def worker_loop(
     restore=(None, 0),
 ):
     try:
+        # Objects inherited from the main process (the dataset's lists, torch's modules) are
+        # left out of this worker's garbage collections: a full collection writes into every
+        # object it visits, which would copy each page holding one into this process.
+        gc.freeze()
         _exit_when_orphaned()
         signal_handling._set_worker_signal_handlers()
         torch.set_num_threads(1)
