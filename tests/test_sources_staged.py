@@ -17,6 +17,7 @@ import time
 import pytest
 
 from fastmm.config import ConfigError, SourceConfig
+from fastmm.sources import staged
 from fastmm.sources import (
     PosixSource,
     ShardSource,
@@ -79,6 +80,22 @@ def test_stage_before_then_reuse(tmp_path):
         f.write(b"new caption")
     third = StagedSource(remote, stage)
     assert third.staging_cost["files"] == 1 and third.read(0).members["txt"] == b"new caption"
+
+
+def test_long_staging_reports_progress(tmp_path, monkeypatch, capsys):
+    remote = str(tmp_path / "remote")
+    files = _tree(remote)
+    StagedSource(remote, str(tmp_path / "quick"))  # under 5 s: says nothing
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(staged, "PROGRESS_EVERY_S", 0.0)  # as if every file took 5 s
+    lines = []
+    StagedSource(remote, str(tmp_path / "slow"), progress=lines.append)
+    assert len(lines) == len(files)
+    total = sum(map(len, files.values()))
+    assert f"{len(files)}/{len(files)} files, {total / 1e9:.2f}/{total / 1e9:.2f} GB" in lines[-1]
+    assert "s left" in lines[0] and "s left" not in lines[-1]
+    StagedSource(remote, str(tmp_path / "silent"), progress=None)
+    assert capsys.readouterr().err == ""
 
 
 def test_stage_on_touch(tmp_path):

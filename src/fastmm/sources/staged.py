@@ -13,13 +13,14 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 from ..config import SourceConfig
 from .base import OnError, Sample, Source, SourceError, unsafe_name
@@ -30,6 +31,11 @@ MANIFEST = ".fastmm-files.jsonl"  # {"path", "size", "sha256"} per line; needed 
 META = ".fastmm-stage"  # locks, records and temporary files inside the staging directory
 _CHUNK = 1 << 20
 _LOCKS = 64  # files hash to this many lock files: parallel enough, and no lock file per file
+PROGRESS_EVERY_S = 5.0
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,8 @@ class StagedSource(Source):
     nothing is written outside the staging directory. ``entry`` names the path inside the staged
     tree the inner source opens (e.g. a posix manifest). Other keywords go to the inner source.
     ``staging_cost``: this process's seconds (copying, verifying and waiting for other stagers),
-    bytes and files it copied itself, and bytes/s."""
+    bytes and files it copied itself, and bytes/s. A staging pass that runs over 5 s sends a
+    line to ``progress`` (default: stderr; None for none) every 5 s and when it ends."""
 
     kind = "staged"
 
@@ -109,6 +116,7 @@ class StagedSource(Source):
         on_error: OnError = "raise",
         timeout_s: float = 60.0,
         keep_problems: int = 100,
+        progress: Callable[[str], None] | None = _to_stderr,
         **inner_options,
     ):
         super().__init__(on_error=on_error, keep_problems=keep_problems)
@@ -151,8 +159,7 @@ class StagedSource(Source):
                 raise SourceError(
                     "no_space", "", self.stage_dir, f"staging needs {need} more bytes, {free} free"
                 )
-            for f in self.files:
-                self._ensure(f)
+            self._stage_all(progress)
         hook = self._touch if mode == "on_touch" else None
         errors = (self.skipped, self.problems)
         if inner == "posix":
@@ -288,6 +295,22 @@ class StagedSource(Source):
             return os.path.isdir(final) if rec["extracted"] else os.path.getsize(final) == f.size
         except (OSError, ValueError, KeyError):
             return False
+
+    def _stage_all(self, progress: Callable[[str], None] | None) -> None:
+        total, done = sum(f.size for f in self.files), 0
+        start = last = time.monotonic()
+        for n, f in enumerate(self.files, 1):
+            self._ensure(f)
+            done += f.size
+            now = time.monotonic()
+            ended = n == len(self.files)
+            if progress and (now - last >= PROGRESS_EVERY_S or (ended and last > start)):
+                last = now
+                rate = done / (now - start) / 1e6
+                progress(f"fastmm: staging {self.remote} -> {self.stage_dir}: {n}/{len(self.files)} "
+                         f"files, {done / 1e9:.2f}/{total / 1e9:.2f} GB, {now - start:.0f} s, "
+                         f"{rate:.1f} MB/s" + ("" if ended else
+                         f", about {(total - done) / 1e6 / max(rate, 1e-9):.0f} s left"))
 
     def _touch(self, path: str) -> None:
         rel = os.path.relpath(path, self.stage_dir).replace(os.sep, "/")
