@@ -13,6 +13,7 @@ import tarfile
 import pytest
 
 from fastmm.sources import Sample, ShardSource, SourceError, open_source, slot_of, write_shards
+from fastmm.sources.base import Progress
 
 wds = pytest.importorskip("webdataset")
 
@@ -78,6 +79,16 @@ def test_index_cache_beside(tmp_path):
     assert caches == [f".{os.path.basename(p)}.fastmm-idx.json" for p in paths]
     again = ShardSource(str(tmp_path), index_cache="beside")  # loads the cached index
     assert [again.read(i) for i in range(len(again))] == want
+
+
+def test_long_indexing_reports_progress(tmp_path, monkeypatch, capsys):
+    write_shards(_samples(), str(tmp_path), max_count=10)  # 3 shards
+    assert len(ShardSource(str(tmp_path))) == 23 and capsys.readouterr().err == ""  # quick: quiet
+    monkeypatch.setattr(Progress, "EVERY_S", 0.0)  # as if each shard took 5 s
+    lines = []
+    assert len(ShardSource(str(tmp_path), progress=lines.append)) == 23
+    assert [line.split(": ")[-1].split(" shards")[0] for line in lines] == ["0/3", "1/3", "2/3", "3/3"]
+    assert lines[-1].startswith("fastmm: indexing shards: 3/3 shards (23 samples)")
 
 
 @pytest.mark.parametrize("world_size,num_workers", [(1, 1), (2, 1), (1, 4), (2, 3), (3, 2)])

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from fastmm.config import ConfigError, SourceConfig
-from fastmm.sources import staged
+from fastmm.sources.base import Progress
 from fastmm.sources import (
     PosixSource,
     ShardSource,
@@ -87,12 +87,12 @@ def test_long_staging_reports_progress(tmp_path, monkeypatch, capsys):
     files = _tree(remote)
     StagedSource(remote, str(tmp_path / "quick"))  # under 5 s: says nothing
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(staged, "PROGRESS_EVERY_S", 0.0)  # as if every file took 5 s
+    monkeypatch.setattr(Progress, "EVERY_S", 0.0)  # as if every file took 5 s
     lines = []
     StagedSource(remote, str(tmp_path / "slow"), progress=lines.append)
     assert len(lines) == len(files)
-    total = sum(map(len, files.values()))
-    assert f"{len(files)}/{len(files)} files, {total / 1e9:.2f}/{total / 1e9:.2f} GB" in lines[-1]
+    mb = sum(map(len, files.values())) / 1e6
+    assert f"{mb:,.0f}/{mb:,.0f} MB ({len(files)}/{len(files)} files)" in lines[-1]
     assert "s left" in lines[0] and "s left" not in lines[-1]
     StagedSource(remote, str(tmp_path / "silent"), progress=None)
     assert capsys.readouterr().err == ""

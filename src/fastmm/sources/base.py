@@ -7,9 +7,11 @@ source can be tested, pickled into workers and reused without a tensor library.
 from __future__ import annotations
 
 import re
+import sys
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Literal, NamedTuple
+from typing import Callable, Iterator, Literal, NamedTuple
 
 from ..errors import SampleError
 
@@ -85,6 +87,32 @@ def slot_of(i: int, world_size: int, num_workers: int) -> tuple[int, int]:
     Same order as webdataset's split_by_node then split_by_worker: rank ``i % world_size``,
     then worker ``(i // world_size) % num_workers``; every item goes to exactly one pair."""
     return i % world_size, (i // world_size) % num_workers
+
+
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Lines about a long pass over ``total`` units to ``say``: none in its first ``EVERY_S``
+    seconds (a quick pass stays quiet), then one every ``EVERY_S`` and one when it ends."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, say: Callable[[str], None] | None, what: str, total: float, unit: str):
+        self.say, self.what, self.total, self.unit = say, what, total, unit
+        self.start = self.last = time.monotonic()
+
+    def update(self, done: float, detail: str = "") -> None:
+        now = time.monotonic()
+        ended = done >= self.total
+        if self.say is None or not (now - self.last >= self.EVERY_S or (ended and self.last > self.start)):
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        left = "" if ended else f", about {(self.total - done) / max(rate, 1e-9):.0f} s left"
+        self.say(f"fastmm: {self.what}: {done:,.0f}/{self.total:,.0f} {self.unit}{detail}, "
+                 f"{now - self.start:.0f} s{left}")
 
 
 class Source:

@@ -16,7 +16,9 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal, Sequence
 
-from .base import OnError, Sample, Source, check_split, slot_of, split_name, unsafe_name
+from .base import (
+    OnError, Progress, Sample, Source, check_split, slot_of, split_name, to_stderr, unsafe_name,
+)
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
@@ -240,7 +242,8 @@ class ShardSource(Source):
     kept in memory, or with ``index_cache="beside"`` also in ``.<shard>.fastmm-idx.json`` next
     to the shard (reused while the shard's size and mtime match). ``iter_samples`` reads shards
     sequentially without the index; whole shards go round-robin to (rank, worker) pairs in
-    webdataset's order (see ``slot_of``)."""
+    webdataset's order (see ``slot_of``). Indexing that runs over 5 s sends a line to
+    ``progress`` (default: stderr; None for none) every 5 s and when it ends."""
 
     kind = "shards"
 
@@ -254,9 +257,11 @@ class ShardSource(Source):
         index_cache: Literal["memory", "beside"] = "memory",
         before_open: Callable[[str], None] | None = None,
         keep_problems: int = 100,
+        progress: Callable[[str], None] | None = to_stderr,
         _errors=None,
     ):
         super().__init__(on_error=on_error, keep_problems=keep_problems, _errors=_errors)
+        self._progress = progress
         if isinstance(root, (list, tuple)):
             self.shards = [os.path.abspath(p) for p in root]
         elif os.path.isdir(root):
@@ -319,7 +324,9 @@ class ShardSource(Source):
     def _index(self):
         if self._entries is None:
             out = []
+            meter = Progress(self._progress, "indexing shards", len(self.shards), "shards")
             for s, shard in enumerate(self.shards):
+                meter.update(s)
                 for key, offset, members, problem in self._scan(shard):
                     problem = self._damage(
                         _Entry(key, offset, members, tuple(problem) if problem else None)
@@ -328,6 +335,7 @@ class ShardSource(Source):
                         self.report(problem[0], key, f"{shard}:{offset}", problem[1])
                         continue
                     out.append((s, key, offset, members, problem))
+            meter.update(len(self.shards), f" ({len(out):,} samples)")
             self._entries = out
         return self._entries
 

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
 from ..config import SourceConfig
-from .base import OnError, Sample, Source, SourceError, unsafe_name
+from .base import OnError, Progress, Sample, Source, SourceError, to_stderr, unsafe_name
 from .posix import PosixSource
 from .shards import ShardSource, iter_members
 
@@ -31,11 +30,6 @@ MANIFEST = ".fastmm-files.jsonl"  # {"path", "size", "sha256"} per line; needed 
 META = ".fastmm-stage"  # locks, records and temporary files inside the staging directory
 _CHUNK = 1 << 20
 _LOCKS = 64  # files hash to this many lock files: parallel enough, and no lock file per file
-PROGRESS_EVERY_S = 5.0
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -116,7 +110,7 @@ class StagedSource(Source):
         on_error: OnError = "raise",
         timeout_s: float = 60.0,
         keep_problems: int = 100,
-        progress: Callable[[str], None] | None = _to_stderr,
+        progress: Callable[[str], None] | None = to_stderr,
         **inner_options,
     ):
         super().__init__(on_error=on_error, keep_problems=keep_problems)
@@ -194,6 +188,7 @@ class StagedSource(Source):
             self.inner = ShardSource(
                 shards,
                 before_open=hook,
+                progress=progress,
                 on_error=on_error,
                 max_member_bytes=max_member_bytes,
                 _errors=errors,
@@ -297,20 +292,13 @@ class StagedSource(Source):
             return False
 
     def _stage_all(self, progress: Callable[[str], None] | None) -> None:
-        total, done = sum(f.size for f in self.files), 0
-        start = last = time.monotonic()
+        total = sum(f.size for f in self.files)
+        meter = Progress(progress, f"staging {self.remote} -> {self.stage_dir}", total / 1e6, "MB")
+        done = 0
         for n, f in enumerate(self.files, 1):
             self._ensure(f)
             done += f.size
-            now = time.monotonic()
-            ended = n == len(self.files)
-            if progress and (now - last >= PROGRESS_EVERY_S or (ended and last > start)):
-                last = now
-                rate = done / (now - start) / 1e6
-                progress(f"fastmm: staging {self.remote} -> {self.stage_dir}: {n}/{len(self.files)} "
-                         f"files, {done / 1e9:.2f}/{total / 1e9:.2f} GB, {now - start:.0f} s, "
-                         f"{rate:.1f} MB/s" + ("" if ended else
-                         f", about {(total - done) / 1e6 / max(rate, 1e-9):.0f} s left"))
+            meter.update(done / 1e6, f" ({n}/{len(self.files)} files)")
 
     def _touch(self, path: str) -> None:
         rel = os.path.relpath(path, self.stage_dir).replace(os.sep, "/")
