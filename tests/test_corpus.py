@@ -218,3 +218,21 @@ def test_procedural_fallback(tmp_path):
     comp = write_corpus(spec, str(tmp_path))
     assert comp["photos"] == "procedural" and comp["counts"]["samples"] == 3
     assert all(k.startswith("procedural-") for k in comp["sources"])
+
+
+def test_videos_without_the_ffmpeg_cli_go_through_pyav(tmp_path, monkeypatch):
+    """The GPU machine has no ffmpeg CLI: PyAV's FFmpeg encodes the same frames instead."""
+    pytest.importorskip("av")
+    pytest.importorskip("torchcodec")
+    from fastmm.bench import mmcorpus
+    from fastmm.decode import ClipSpec, get_decoder
+
+    monkeypatch.setattr(mmcorpus.shutil, "which", lambda name: None)
+    spec = dataclasses.replace(SPEC, num_images=0, num_videos=1)
+    comp = write_corpus(spec, str(tmp_path))
+    assert comp["tools"]["ffmpeg"].startswith("PyAV")
+    (video,) = [m for m in _manifest(str(tmp_path)) if "mp4" in m["members"]]
+    data = open(os.path.join(str(tmp_path), "posix", video["members"]["mp4"]), "rb").read()
+    clip, idx = get_decoder("torchcodec").decode_clip(data, ClipSpec(num_frames=4, stride=3),
+                                                      key=video["key"])
+    assert [read_frame_index(f) for f in clip] == idx == [0, 3, 6, 9]

@@ -1,5 +1,7 @@
 """Checks that need CUDA (they skip elsewhere; FASTMM_REQUIRE_CUDA=1 turns a skip into a
-failure): page-locked slabs with pin_memory=True, nvJPEG batch decode, crops on the GPU.
+failure): page-locked slabs with pin_memory=True, nvJPEG batch decode, crops on the GPU, NVDEC
+clips (torchcodec; the test video is encoded by PyAV where, as on the device machine, there is
+no ffmpeg CLI).
 Run on a GPU machine with ``scripts/gpu-check``."""
 
 from __future__ import annotations
@@ -69,3 +71,18 @@ def test_crop_resize_on_the_gpu_matches_the_cpu():
     gpu = crop_resize(img.cuda(), plan)
     assert gpu.is_cuda and gpu.shape == cpu.shape
     assert (gpu.cpu().int() - cpu.int()).abs().max() <= 1
+
+
+def test_nvdec_clip_frames_are_the_frames_asked_for(tmp_path):
+    pytest.importorskip("torchcodec")
+    from fastmm.bench.mmcorpus import encode_h264, index_pattern, read_frame_index
+    from fastmm.decode import ClipSpec, get_decoder
+
+    frames = (np.tile(index_pattern(i), (4, 4, 1)) for i in range(48))  # 256x256, frame i shows i
+    encode_h264(frames, 256, 256, 24, 8, 18, str(tmp_path / "v.mp4"))  # ffmpeg CLI, else PyAV
+    data, spec = (tmp_path / "v.mp4").read_bytes(), ClipSpec(num_frames=5, stride=4)
+    clip, idx = get_decoder("torchcodec", device="cuda").decode_clip(data, spec, key="v")
+    assert clip.is_cuda and idx == [0, 4, 8, 12, 16]
+    assert [read_frame_index(f.cpu()) for f in clip] == idx
+    on_cpu, _ = get_decoder("torchcodec").decode_clip(data, spec, key="v")
+    assert (clip.cpu().float() - on_cpu.float()).abs().mean() < 2.0

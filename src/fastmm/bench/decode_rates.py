@@ -1,0 +1,285 @@
+"""Decode rates on the CPU and on the GPU, and where the GPU overtakes the CPU (issue 3).
+
+Images: the generated corpus's JPEGs in three size classes (under 0.3 MP, 0.3-1 MP, 1 MP and
+over). CPU: torchvision's ``decode_jpeg`` (libjpeg-turbo) on one thread, images/s per core. GPU:
+nvJPEG through torchvision's batched ``decode_jpeg`` at batch 1, 8 and 64, host bytes in and
+images on the device, timed until the device is done.
+Video: the pipelines' clip (16 frames, every 2nd, from a seeded random start) decoded by
+torchcodec on one CPU thread and by NVDEC (``device="cuda"``), per source resolution.
+
+The crossover is given two ways: the CPU cores that decode as fast as the GPU (GPU rate over the
+per-core rate) and, for images, the smallest batch at which the GPU beats one core. Each GPU arm
+is checked against the CPU's output (mean absolute pixel difference; for video also the frame
+index drawn in the pixels). Arms this machine cannot run are reported as not measured, with why.
+Run: ``python -m fastmm.bench.decode_rates --out DIR`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+from . import env, stats
+from .corpus import default_cache_dir
+from .mmcorpus import CorpusSpec, read_frame_index
+from .pipelines import _clip_spec, _files, ensure_mmcorpus
+from .report import save
+
+IMAGE_CLASSES = (("under 0.3 MP", 0, 300_000), ("0.3-1 MP", 300_000, 1_000_000),
+                 ("1 MP and over", 1_000_000, 1 << 62))
+GPU_BATCHES = (1, 8, 64)
+
+
+def _rate(work, units: int, min_seconds: float, sync=None) -> float:
+    """Units per second of ``work()`` (each call does ``units``), over at least min_seconds."""
+    done, start = 0, time.perf_counter()
+    while True:
+        work()
+        if sync:
+            sync()
+        done += units
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return done / elapsed
+
+
+def _sync(device: str):
+    return torch.cuda.synchronize if device.startswith("cuda") else None
+
+
+def image_classes(paths: list[str]) -> dict[str, list[bytes]]:
+    from PIL import Image
+
+    out: dict[str, list[bytes]] = {name: [] for name, _, _ in IMAGE_CLASSES}
+    for p in paths:
+        with open(p, "rb") as f:
+            data = f.read()
+        with Image.open(io.BytesIO(data)) as im:
+            pixels = im.width * im.height
+        for name, low, high in IMAGE_CLASSES:
+            if low <= pixels < high:
+                out[name].append(data)
+    return {k: v for k, v in out.items() if v}
+
+
+def image_arms(classes: dict[str, list[bytes]], args, gpu: str | None) -> dict:
+    from torchvision import io as tvio
+
+    rgb = tvio.ImageReadMode.RGB
+    tensors = {k: [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in v]
+               for k, v in classes.items()}
+    arms: dict[str, dict] = {}
+    for name, images in tensors.items():
+        def cpu_all(images=images):
+            for t in images:
+                tvio.decode_jpeg(t, mode=rgb)
+
+        figs = {"cpu 1 thread": []} | {f"gpu batch {b}": [] for b in GPU_BATCHES if gpu}
+        for _ in range(args.reps):
+            figs["cpu 1 thread"].append(_rate(cpu_all, len(images), args.min_seconds))
+            for b in GPU_BATCHES if gpu else ():
+                batch = (images * (b // len(images) + 1))[:b]
+                figs[f"gpu batch {b}"].append(_rate(
+                    lambda batch=batch: tvio.decode_jpeg(batch, mode=rgb, device=gpu), b,
+                    args.min_seconds, _sync(gpu)))
+        arm = {"images": len(images), "rates": {k: stats.summarize(v) for k, v in figs.items()}}
+        if gpu:
+            on_cpu = [tvio.decode_jpeg(t, mode=rgb) for t in images[:16]]
+            on_gpu = tvio.decode_jpeg(images[:16], mode=rgb, device=gpu)
+            arm["gpu_vs_cpu_mean_abs_diff"] = max(
+                (a.float() - g.cpu().float()).abs().mean().item() for a, g in zip(on_cpu, on_gpu))
+        arms[name] = arm
+    return arms
+
+
+def _clip_jobs(paths: list[str], seed: int):
+    """(resolution, bytes, frame indices) per video: one seeded clip each, as the pipelines draw."""
+    from torchcodec.decoders import VideoDecoder
+
+    jobs: dict[str, list] = {}
+    g = torch.Generator().manual_seed(seed)
+    for p in paths:
+        with open(p, "rb") as f:
+            data = f.read()
+        meta = VideoDecoder(data).metadata
+        idx = _clip_spec().frame_indices(meta.num_frames, meta.average_fps, generator=g)
+        jobs.setdefault(f"{meta.width}x{meta.height}", []).append((data, idx))
+    return dict(sorted(jobs.items(), key=lambda kv: int(kv[0].split("x")[0])))
+
+
+def video_arms(paths: list[str], args, gpu: str | None) -> tuple[dict, str | None]:
+    """Per resolution, clips/s on one CPU thread and with NVDEC; the reason NVDEC was not
+    measured, if it was not. torchcodec's own NVDEC backend is tried first, then FFmpeg's."""
+    import contextlib
+
+    from torchcodec.decoders import VideoDecoder, set_cuda_backend
+
+    backend = None
+
+    def decode(data, idx, device):
+        with set_cuda_backend(backend) if device.startswith("cuda") else contextlib.nullcontext():
+            dec = VideoDecoder(data, device=device, seek_mode="exact")
+        frames = dec.get_frames_at(idx).data
+        if device.startswith("cuda") and dec.cpu_fallback:
+            raise RuntimeError(f"torchcodec fell back to the CPU: {dec.cpu_fallback}")
+        return frames
+
+    jobs = _clip_jobs(paths, args.seed)
+    nvdec_why = None if gpu else "no CUDA device on this machine"
+    if gpu:
+        tried = []
+        for backend in ("nvdec", "ffmpeg") if gpu.startswith("cuda") else (None,):
+            try:
+                data, idx = next(iter(jobs.values()))[0]
+                decode(data, idx, gpu)
+                break
+            except Exception as e:  # no NVDEC in the driver, FFmpeg without CUDA, ...
+                tried.append(f"{backend}: {type(e).__name__}: {e}"[:200])
+        else:
+            nvdec_why = "torchcodec could not decode on CUDA (" + "; ".join(tried) + ")"
+    arms = {}
+    for res, clips in jobs.items():
+        def run(device, clips=clips):
+            for data, idx in clips:
+                decode(data, idx, device)
+
+        figs = {"cpu 1 thread": []} | ({"nvdec": []} if nvdec_why is None else {})
+        for _ in range(args.reps):
+            figs["cpu 1 thread"].append(_rate(lambda: run("cpu"), len(clips), args.min_seconds))
+            if nvdec_why is None:
+                figs["nvdec"].append(_rate(lambda: run(gpu), len(clips), args.min_seconds,
+                                           _sync(gpu)))
+        arm = {"clips": len(clips), "rates": {k: stats.summarize(v) for k, v in figs.items()}}
+        if nvdec_why is None:
+            data, idx = clips[0]
+            on_cpu, on_gpu = decode(data, idx, "cpu"), decode(data, idx, gpu).cpu()
+            arm["nvdec_vs_cpu_mean_abs_diff"] = (on_cpu.float() - on_gpu.float()).abs().mean().item()
+            arm["nvdec_frames_right"] = [read_frame_index(f) for f in on_gpu] == idx
+            arm["cuda_backend"] = backend
+        arms[res] = arm
+    return arms, nvdec_why
+
+
+def crossover(arms: dict, gpu_keys: list[str]) -> None:
+    """Adds to each arm: cores_matching_gpu (best GPU rate / one core's rate) and, where there
+    are several GPU batch sizes, the smallest batch whose rate beats one core."""
+    for arm in arms.values():
+        rates = arm["rates"]
+        core = rates["cpu 1 thread"]["median"]
+        gpu = {k: rates[k]["median"] for k in gpu_keys if rates.get(k)}
+        if not gpu:
+            continue
+        arm["cores_matching_gpu"] = max(gpu.values()) / core
+        if len(gpu) > 1:
+            beating = [int(k.rsplit(" ", 1)[1]) for k, r in gpu.items() if r > core]
+            arm["gpu_beats_one_core_from_batch"] = min(beating) if beating else None
+
+
+def run(args) -> dict:
+    torch.set_num_threads(1)
+    gpu = args.accelerator if args.accelerator == "cpu" or torch.cuda.is_available() else None
+    root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=args.videos,
+                                      seed=args.seed), args.cache_dir)
+    print("[decode-rates] images ...", file=sys.stderr, flush=True)
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (fastmm's backend too)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        images = image_arms(image_classes(_files(root, ("jpg",))), args, gpu)
+    crossover(images, [f"gpu batch {b}" for b in GPU_BATCHES])
+    videos, nvdec_why, video_why = {}, None, None
+    try:
+        import torchcodec  # noqa: F401
+    except Exception as e:  # not installed, or no FFmpeg libraries it can load
+        video_why = f"torchcodec unavailable: {type(e).__name__}: {e}"[:300]
+    if video_why is None and args.videos:
+        print("[decode-rates] video ...", file=sys.stderr, flush=True)
+        videos, nvdec_why = video_arms(_files(root, ("mp4",)), args, gpu)
+        crossover(videos, ["nvdec"])
+    return {
+        "environment": env.capture(env.module_argv(__spec__, __name__), paths=[args.cache_dir]),
+        "reps": args.reps, "min_seconds": args.min_seconds,
+        "images": images,
+        "accelerator": gpu,
+        "gpu_images": {"measured": bool(gpu), "why": None if gpu else "no CUDA device on this machine"},
+        "videos": videos,
+        "nvdec": {"measured": video_why is None and nvdec_why is None,
+                  "why": video_why or nvdec_why},
+    }
+
+
+def _fmt(s: dict | None) -> str:
+    return "-" if not s else f"{s['median']:.0f} [{s['ci95_low']:.0f}-{s['ci95_high']:.0f}]"
+
+
+def _num(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(result: dict) -> str:
+    e = result["environment"]
+    gpus = ", ".join(d["name"] for d in e["gpus"]["devices"]) or "none"
+    lines = ["# Decode rates: CPU and GPU, and the crossover", "",
+             f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
+             f"{e['cpu_count_usable']} cores; GPU: {gpus}; {result['reps']} repetitions of "
+             f">= {result['min_seconds']} s each (median [95% CI]).", "",
+             "## JPEG images (images/s)", "",
+             "| size class | images | CPU, 1 thread | " +
+             " | ".join(f"nvJPEG batch {b}" for b in GPU_BATCHES) +
+             " | cores matching the GPU | GPU beats a core from batch | GPU vs CPU pixels |",
+             "|---" * (6 + len(GPU_BATCHES)) + "|"]
+    for name, a in result["images"].items():
+        r = a["rates"]
+        lines.append(f"| {name} | {a['images']} | {_fmt(r['cpu 1 thread'])} | " +
+                     " | ".join(_fmt(r.get(f"gpu batch {b}")) for b in GPU_BATCHES) +
+                     f" | {_num(a.get('cores_matching_gpu'))} | "
+                     f"{_num(a.get('gpu_beats_one_core_from_batch'), 'd')} | "
+                     f"{_num(a.get('gpu_vs_cpu_mean_abs_diff'), '.2f')} |")
+    if not result["gpu_images"]["measured"]:
+        lines += ["", f"nvJPEG not measured: {result['gpu_images']['why']}."]
+    lines += ["", "## Video clips, 16 frames every 2nd (clips/s)", ""]
+    if result["videos"]:
+        lines += ["| source | clips | CPU, 1 thread | NVDEC | cores matching the GPU | "
+                  "NVDEC frames right | NVDEC vs CPU pixels |", "|---" * 7 + "|"]
+        for res, a in result["videos"].items():
+            r = a["rates"]
+            lines.append(f"| {res} | {a['clips']} | {_fmt(r['cpu 1 thread'])} | "
+                         f"{_fmt(r.get('nvdec'))} | {_num(a.get('cores_matching_gpu'))} | "
+                         f"{a.get('nvdec_frames_right', '-')} | "
+                         f"{_num(a.get('nvdec_vs_cpu_mean_abs_diff'), '.2f')} |")
+    if not result["nvdec"]["measured"]:
+        lines += ["", f"NVDEC not measured: {result['nvdec']['why']}."]
+    lines += ["", "Cores matching the GPU: the GPU's best rate over one CPU thread's, i.e. how many "
+              "decoding cores one GPU stands in for (before the GPU's other work). A class where "
+              "it is below the cores a job can spare is one to keep on the CPU."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.decode_rates", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join("bench-out", "decode-rates"))
+    p.add_argument("--images", type=int, default=400)
+    p.add_argument("--videos", type=int, default=12)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--min-seconds", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--quick", action="store_true", help="smoke run")
+    p.add_argument("--accelerator", default="cuda",
+                   help="device of the GPU arms: cuda (used when present); cpu only to test this "
+                        "script's own plumbing, its 'GPU' figures then being CPU ones")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.images, args.videos, args.reps, args.min_seconds = 40, 3, 2, 0.1
+    result = run(args)
+    save(args.out, "decode_rates", result, report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
