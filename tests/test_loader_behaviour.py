@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import time
+import typing
 import warnings
 
 import numpy as np
@@ -106,6 +107,16 @@ def test_is_a_torch_dataloader():
     assert isinstance(loader, torch.utils.data.DataLoader)
     assert issubclass(fastmm.DataLoader, torch.utils.data.DataLoader)
     assert fastmm.get_worker_info is torch.utils.data.get_worker_info
+
+
+def test_subscripts_as_a_generic_like_torch():
+    """``DataLoader[T]`` in an annotation evaluated at run time (torch's test_typing): torch's
+    DataLoader is Generic[T_co], so a subclass that does not pass the parameter on raised
+    TypeError "... is not a generic class"."""
+    assert fastmm.DataLoader.__parameters__ == TorchDataLoader.__parameters__
+    alias = fastmm.DataLoader[list[torch.Tensor]]
+    assert typing.get_origin(alias) is fastmm.DataLoader
+    assert typing.get_args(alias) == typing.get_args(TorchDataLoader[list[torch.Tensor]])
 
 
 def test_signature_is_torch_plus_on_worker_failure():

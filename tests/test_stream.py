@@ -5,8 +5,10 @@ resume through the loader."""
 from __future__ import annotations
 
 import collections
+import io
 import json
 import os
+import tarfile
 
 import pytest
 import torch
@@ -156,3 +158,37 @@ def test_a_stream_resumes_mid_epoch(shards):
         again.load_state_dict(state)
         assert head + [rows(b) for b in again] == full, f"stop {stop}"
     assert os.environ.get("RANK") is None  # the ranks above came from arguments
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resumed_stream_counts_each_bad_sample_once(shards, tmp_path, num_workers):
+    """The samples handed out before the save are pulled again on resume, and their bad ones
+    counted again: the counts restored are those from when the epoch began, not at the save."""
+    garbled = 0
+    for name in sorted(os.listdir(shards)):
+        with tarfile.open(os.path.join(shards, name)) as t:
+            members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
+        with tarfile.open(tmp_path / name, "w") as t:
+            for m, data in members:
+                if m.name.endswith(".jpg"):
+                    garbled += 1
+                    data = b"not a jpeg" if garbled % 5 == 0 else data
+                m.size = len(data)
+                t.addfile(m, io.BytesIO(data))
+
+    def make():
+        return fastmm.DataLoader(fastmm.ShardStream(_dataset(str(tmp_path), on_error="skip")),
+                                 batch_size=3, num_workers=num_workers)
+
+    whole = make()
+    keys = [k for b in whole for k in b["key"]]
+    assert whole.dataset.dataset.skipped["corrupt"] >= N // 5
+    loader = make()
+    it = iter(loader)
+    head = [k for _ in range(4) for k in next(it)["key"]]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    again = make()
+    again.load_state_dict(state)
+    assert head + [k for b in again for k in b["key"]] == keys
+    assert again.dataset.dataset.skipped == whole.dataset.dataset.skipped

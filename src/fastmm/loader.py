@@ -48,7 +48,7 @@ _MAX_DEATHS_PER_TASK = 3  # a batch that kills a worker this often is the batch'
 _OPEN_CHANNELS: dict[int, tuple] = {}  # id(iterator) -> its result connections and fd sockets
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[_T_co]):
     __doc__ = (
         "Drop-in replacement for :class:`torch.utils.data.DataLoader` (same arguments, same "
         "behaviour) whose worker processes hand batches over through reused shared-memory "
@@ -186,6 +186,13 @@ class _ResumableIter:
         self._progress = loader.__dict__["_fastmm_progress"] = progress
         self._first_sampler_iter = resume.SamplerTap(loader, progress, restore)
 
+    def _note_epoch_start(self) -> None:
+        """Keep an IterableDataset's own state as the epoch begins: a restored loader pulls the
+        samples handed out again, which moves a position the dataset keeps and counts its bad
+        samples again, so the state to restore is this one, not the one at state_dict()."""
+        if self._dataset_kind == _DatasetKind.Iterable:
+            self._progress.dataset_state = resume.dataset_state(self._dataset)
+
     def __next__(self):
         try:
             return super().__next__()
@@ -198,6 +205,7 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
     def __init__(self, loader: DataLoader, restore: resume.Progress | None) -> None:
         self._start_progress(loader, restore, super().__init__)
         self._sampler_iter = self._first_sampler_iter
+        self._note_epoch_start()
         if restore is not None and restore.mid_epoch and self._dataset_kind == _DatasetKind.Iterable:
             with resume.KeepRng():  # pull and drop what was handed out; its draws were made
                 for _ in range(restore.batches):
@@ -422,6 +430,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                 idx, worker_id = self._get_data()
                 if idx == "resumed":
                     self._awaiting_resume.discard(worker_id)
+        self._note_epoch_start()
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 

@@ -15,6 +15,7 @@ handed out (its iterator must be deterministic) before its RNGs are set.
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import random
 import struct
@@ -174,6 +175,7 @@ class Progress:
     base_seed: int | None = None  # persistent workers keep it for every epoch
     sampler_rng: tuple | None = None  # generator states at the epoch's first draw
     sampler_state: dict | None = None  # the sampler's own state_dict() then, if it has one
+    dataset_state: object = None  # an IterableDataset's own state_dict() then
     batches: int = 0  # handed out (or raised) this epoch
     done: bool = False  # the epoch ran out
     worker_rng: list = dataclasses.field(default_factory=list)  # per worker, after its last batch
@@ -191,7 +193,7 @@ class Progress:
 
     def next_epoch(self) -> None:
         """A persistent iterator's next epoch: the workers and their RNGs carry on."""
-        self.sampler_rng = self.sampler_state = self.last_worker = None
+        self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
         self.batches, self.done = 0, False
         self.worker_batches = [0] * self.num_workers
 
@@ -209,6 +211,12 @@ class Progress:
         if iterable:  # workers that ran out drop out of the round robin, so follow the last one
             return 0 if self.last_worker is None else (self.last_worker + 1) % self.num_workers
         return self.batches % self.num_workers
+
+
+def dataset_state(dataset):
+    """A copy of the dataset's own state_dict() now, or None if it has none."""
+    own = getattr(dataset, "state_dict", None)
+    return copy.deepcopy(own()) if callable(own) else None
 
 
 def _sampler_with_state(loader):
@@ -335,8 +343,13 @@ def encode(loader, progress: Progress | None) -> dict:
         # the loader's own generator is its state: where it is now, not where the epoch began
         "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
     }
-    dataset_state = getattr(loader.dataset, "state_dict", None)
-    state["dataset"] = dataset_state() if callable(dataset_state) else None
+    # an IterableDataset: its state as the epoch began, as for the sampler; the restored loader
+    # pulls the samples handed out again (a position it keeps, bad samples it counts, twice)
+    if p.mid_epoch and p.dataset_state is not None:
+        state["dataset"] = p.dataset_state
+    else:
+        own = getattr(loader.dataset, "state_dict", None)
+        state["dataset"] = own() if callable(own) else None
     return state
 
 
@@ -406,6 +419,8 @@ def _read(loader, state: dict) -> tuple[Progress, object, bytes | None]:
             _torch_state(rng["torch"]),
             None if rng["generator"] is None else _torch_state(rng["generator"]))
         p.sampler_state = state["sampler"]
+        if now["kind"] == "iterable":
+            p.dataset_state = state.get("dataset")
     else:
         p.done = True
         if _sampler_with_state(loader) is not None:
