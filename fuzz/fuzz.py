@@ -334,7 +334,8 @@ class _StateTarget:
                 if rng is not None:
                     resume.apply_rng(rng)
             if p.sampler_rng is not None:
-                resume._set_generator_states(p.sampler_rng, loader.generator)
+                resume._set_generator_states(p.sampler_rng, loader.generator,
+                                             resume.sampler_generator(loader))
         assert len(p.worker_batches) == 2 and all(type(b) is int and b >= 0
                                                    for b in [p.batches, *p.worker_batches])
 

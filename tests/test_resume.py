@@ -114,6 +114,19 @@ def test_resume_yields_the_uninterrupted_batches(config, transport):
     _check_resume_everywhere(make, _stops)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_with_the_samplers_own_generator(num_workers):
+    """RandomSampler(generator=g), g not the loader's: its state at the epoch's first draw (and,
+    between epochs, its state then) travels too; before, a resumed epoch 2 (a new process seeds
+    g as at the start) repeated epoch 1's order."""
+    def make():
+        ds = Augmented()
+        sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(13))
+        return fastmm.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=num_workers)
+
+    _check_resume_everywhere(make, _stops)
+
+
 @pytest.mark.filterwarnings("ignore:.*worker processes in total")
 def test_resume_with_a_distributed_sampler_per_rank():
     for rank in range(2):

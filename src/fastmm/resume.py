@@ -135,15 +135,27 @@ def _set_state(generator: torch.Generator, state: bytes) -> None:
     generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
-def _generator_states(generator) -> tuple[bytes, bytes | None]:
-    """What a sampler can draw from: torch's default RNG and the loader's generator."""
-    return _state_of(torch.default_generator), None if generator is None else _state_of(generator)
+def sampler_generator(loader) -> torch.Generator | None:
+    """The sampler's own generator (``RandomSampler(..., generator=g)``), if it is not the
+    loader's: its state must travel too, or a resumed epoch repeats the first epoch's order."""
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        g = getattr(sampler, "generator", None)
+        if isinstance(g, torch.Generator) and g is not loader.generator:
+            return g
+    return None
 
 
-def _set_generator_states(states, generator) -> None:
+def _generator_states(generator, own) -> tuple[bytes, bytes | None, bytes | None]:
+    """What a sampler can draw from: torch's default RNG, the loader's generator, its own."""
+    return (_state_of(torch.default_generator), None if generator is None else _state_of(generator),
+            None if own is None else _state_of(own))
+
+
+def _set_generator_states(states, generator, own) -> None:
     _set_state(torch.default_generator, states[0])
-    if generator is not None and states[1] is not None:
-        _set_state(generator, states[1])
+    for g, state in ((generator, states[1]), (own, states[2])):
+        if g is not None and state is not None:
+            _set_state(g, state)
 
 
 class KeepRng:
@@ -236,6 +248,7 @@ class SamplerTap:
     def __init__(self, loader, progress: Progress, replay: Progress | None):
         # not the loader itself: a persistent iterator would close a reference cycle through it
         self._generator = loader.generator
+        self._own_generator = sampler_generator(loader)
         self._index_sampler = loader._index_sampler
         self._sampler = _sampler_with_state(loader)
         self._progress = progress
@@ -255,12 +268,12 @@ class SamplerTap:
         p, replay, sampler, generator = self._progress, self._replay, self._sampler, self._generator
         if replay is None:
             p.sampler_state = sampler.state_dict() if sampler is not None else None
-            p.sampler_rng = _generator_states(generator)
+            p.sampler_rng = _generator_states(generator, self._own_generator)
             self._it = iter(self._index_sampler)
             return
         p.sampler_rng, p.sampler_state = replay.sampler_rng, replay.sampler_state
-        with KeepRng(generator):
-            _set_generator_states(replay.sampler_rng, generator)
+        with KeepRng(generator):  # the sampler's own generator goes on from the epoch's draws
+            _set_generator_states(replay.sampler_rng, generator, self._own_generator)
             if sampler is not None and replay.sampler_state is not None:
                 sampler.load_state_dict(replay.sampler_state)
             it = iter(self._index_sampler)
@@ -319,7 +332,7 @@ def encode(loader, progress: Progress | None) -> dict:
             "on which worker finishes first, so no saved state can promise the same batches"
         )
     p = progress or Progress(loader.num_workers, done=True)
-    sampler = _sampler_with_state(loader)
+    sampler, own = _sampler_with_state(loader), sampler_generator(loader)
     # the workers that make the next batch: this iterator's, or (between epochs) fresh ones
     same_workers = loader.num_workers > 0 and (p.mid_epoch or loader.persistent_workers)
     state = {
@@ -332,6 +345,7 @@ def encode(loader, progress: Progress | None) -> dict:
         "sampler_rng": None if p.sampler_rng is None or not p.mid_epoch else {
             "torch": _b64(p.sampler_rng[0]),
             "generator": None if p.sampler_rng[1] is None else _b64(p.sampler_rng[1]),
+            "sampler_generator": None if p.sampler_rng[2] is None else _b64(p.sampler_rng[2]),
         },
         # mid-epoch: the sampler as the epoch began; between epochs: as the next one begins
         "sampler": p.sampler_state if p.mid_epoch else (
@@ -342,6 +356,7 @@ def encode(loader, progress: Progress | None) -> dict:
         "last_worker": p.last_worker if p.mid_epoch else None,
         # the loader's own generator is its state: where it is now, not where the epoch began
         "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
+        "sampler_generator": None if own is None else _b64(_state_of(own)),
     }
     # an IterableDataset: its state as the epoch began, as for the sampler; the restored loader
     # pulls the samples handed out again (a position it keeps, bad samples it counts, twice)
@@ -359,22 +374,22 @@ def decode(loader, state: dict) -> Progress:
     The whole state is read and checked before anything is applied; the sampler's and the
     dataset's own load_state_dict run last, their errors their own."""
     try:
-        p, sampler_state, generator_state = _read(loader, state)
+        p, sampler_state, generator_states = _read(loader, state)
     except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise ValueError(f"a damaged fastmm DataLoader state ({type(e).__name__}: {e})") from None
     if sampler_state is not None:
         _sampler_with_state(loader).load_state_dict(sampler_state)
-    if generator_state is not None:
-        _set_state(loader.generator, generator_state)
+    for generator, generator_state in generator_states:
+        _set_state(generator, generator_state)
     dataset_load = getattr(loader.dataset, "load_state_dict", None)
     if state.get("dataset") is not None and callable(dataset_load):
         dataset_load(state["dataset"])
     return p
 
 
-def _read(loader, state: dict) -> tuple[Progress, object, bytes | None]:
+def _read(loader, state: dict) -> tuple[Progress, object, list]:
     """The Progress in ``state``, and the states to set now (between epochs, the sampler's;
-    the loader generator's), checked."""
+    the loader's generator and the sampler's own, as (generator, state) pairs), checked."""
     if not isinstance(state, dict) or state.get("fastmm_loader_state") != VERSION:
         raise ValueError(
             "not a fastmm DataLoader state (version "
@@ -415,9 +430,10 @@ def _read(loader, state: dict) -> tuple[Progress, object, bytes | None]:
                and (p.last_worker is None or _count(p.last_worker)
                     and p.last_worker < max(1, loader.num_workers)), "batch counts")
         rng = state["sampler_rng"]
-        p.sampler_rng = None if rng is None else (
-            _torch_state(rng["torch"]),
-            None if rng["generator"] is None else _torch_state(rng["generator"]))
+        p.sampler_rng = None if rng is None else tuple(
+            None if rng.get(k) is None else _torch_state(rng[k])
+            for k in ("torch", "generator", "sampler_generator"))
+        _check(rng is None or p.sampler_rng[0] is not None, "sampler_rng")
         p.sampler_state = state["sampler"]
         if now["kind"] == "iterable":
             p.dataset_state = state.get("dataset")
@@ -425,7 +441,8 @@ def _read(loader, state: dict) -> tuple[Progress, object, bytes | None]:
         p.done = True
         if _sampler_with_state(loader) is not None:
             sampler_state = state["sampler"]
-    generator_state = None
-    if loader.generator is not None and state.get("generator") is not None:
-        generator_state = _torch_state(state["generator"])
-    return p, sampler_state, generator_state
+    # the generators' states now (a mid-epoch replay then sets the sampler's own from the epoch's)
+    generator_states = [(g, _torch_state(state[key])) for g, key in (
+        (loader.generator, "generator"), (sampler_generator(loader), "sampler_generator"))
+        if g is not None and state.get(key) is not None]
+    return p, sampler_state, generator_states
