@@ -398,3 +398,23 @@ def test_resume_after_kill_9_of_the_whole_job(tmp_path):
     for epoch in range(EPOCHS):
         ids = [row[0] for r in seen for b in r[epoch * half:(epoch + 1) * half] for row in b]
         assert sorted(set(ids)) == list(range(37)) and len(ids) == 38
+
+
+class StateAfterIter(AugmentedStream):
+    """Its state_dict() works only once __iter__ ran in this process (as some streams do)."""
+
+    def __iter__(self):
+        self.it = super().__iter__()
+        return self.it
+
+    def state_dict(self):
+        return {"started": self.it is not None}
+
+
+def test_a_stream_whose_state_needs_iterating_still_loads_with_workers():
+    """The state noted as each epoch begins is taken only if the stream can give it then: with
+    workers, the main process's copy never iterates, and iter() must not fail on it."""
+    loader = fastmm.DataLoader(StateAfterIter(), batch_size=3, num_workers=2)
+    assert len([b for b in loader]) == 12
+    with pytest.raises(AttributeError):
+        loader.state_dict()  # asked at state_dict(), as before: the error is the stream's own

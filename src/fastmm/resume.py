@@ -226,9 +226,14 @@ class Progress:
 
 
 def dataset_state(dataset):
-    """A copy of the dataset's own state_dict() now, or None if it has none."""
+    """A copy of the dataset's own state_dict() now, or None if it has none, or if it cannot
+    give one now (a stream whose state exists only once iterated, in its workers): then
+    state_dict() asks it again when called, and its error, if any, shows there."""
     own = getattr(dataset, "state_dict", None)
-    return copy.deepcopy(own()) if callable(own) else None
+    try:
+        return copy.deepcopy(own()) if callable(own) else None
+    except Exception:
+        return None
 
 
 def _sampler_with_state(loader):
