@@ -498,6 +498,10 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                 f"worker {i} (pid {self._workers[i].pid}): {_signal_name(self._workers[i].exitcode)}"
                 for i in failed
             )
+            pid, exitcode = self._workers[failed[0]].pid, self._workers[failed[0]].exitcode
+            if exitcode is not None and exitcode < 0:  # torch's words (its SIGCHLD handler's)
+                raise RuntimeError(f"DataLoader worker (pid {pid}) is killed by signal: "
+                                   f"{_signal_name(exitcode)}. ({details})")
             pids = ", ".join(str(self._workers[i].pid) for i in failed)
             raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}")
         return False, None
