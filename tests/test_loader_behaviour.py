@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import os
 import random
 import subprocess
@@ -873,30 +874,39 @@ def _mark_dataset(worker_id):
     get_worker_info().dataset.marked = worker_id
 
 
-class _ManifestDataset(torch.utils.data.Dataset):
-    """A dataset holding its manifest as Python objects, as many do; each item runs a full
-    garbage collection in the worker and returns how much of the worker's memory became its own
-    (USS) meanwhile."""
+_GC_IN_A_WORKER = """
+import gc, json, psutil, torch, fastmm
 
-    def __init__(self, rows: int):
+class ManifestDataset(torch.utils.data.Dataset):
+    # a manifest held as Python objects, as many datasets do; each item runs a full garbage
+    # collection in the worker and returns how much of its memory became its own (USS) meanwhile
+    def __init__(self, rows):
         self.rows = [{"path": f"/data/{i:08d}.jpg", "label": i % 1000} for i in range(rows)]
-
     def __len__(self):
         return 2
-
     def __getitem__(self, i):
         me = psutil.Process()
         before = me.memory_full_info().uss
         gc.collect()
         return me.memory_full_info().uss - before
 
+dataset = ManifestDataset(400_000)  # ~40 MB of dicts and strings in the main process
+gc.collect()
+gc.disable()  # a collection here would copy those pages too, into the worker's own memory
+print(json.dumps({name: max(int(b) for b in cls(dataset, batch_size=None, num_workers=1))
+                  for name, cls in (("torch", torch.utils.data.DataLoader),
+                                    ("fastmm", fastmm.DataLoader))}))
+"""
+
 
 def test_a_garbage_collection_in_a_worker_copies_no_inherited_pages():
     """torch's workers copy every page holding a Python object of the main process the first
     time a full collection runs there (it writes into each object it visits); fastmm's leave
-    what they inherit out of their collections."""
-    dataset = _ManifestDataset(400_000)  # ~40 MB of dicts and strings in the main process
-    grown = {name: max(int(b) for b in loader_cls(dataset, batch_size=None, num_workers=1))
-             for name, loader_cls in (("torch", TorchDataLoader), ("fastmm", fastmm.DataLoader))}
+    what they inherit out of their collections. In a fresh interpreter: a module that freezes
+    every forked child (fastmm.decode.dali does) would hide the effect in torch's workers."""
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _GC_IN_A_WORKER],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    grown = json.loads(run.stdout.strip().splitlines()[-1])
     assert grown["torch"] > 16 * 2**20, grown  # the effect is there to be avoided
     assert grown["fastmm"] < 4 * 2**20, grown
