@@ -368,8 +368,8 @@ def encode(loader, progress: Progress | None) -> dict:
     if p.mid_epoch and p.dataset_state is not None:
         state["dataset"] = p.dataset_state
     else:
-        own = getattr(loader.dataset, "state_dict", None)
-        state["dataset"] = own() if callable(own) else None
+        dataset_state_dict = getattr(loader.dataset, "state_dict", None)
+        state["dataset"] = dataset_state_dict() if callable(dataset_state_dict) else None
     return state
 
 

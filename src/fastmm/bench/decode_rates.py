@@ -99,7 +99,8 @@ def image_arms(classes: dict[str, list[bytes]], args, gpu: str | None) -> dict:
 
 
 def _clip_jobs(paths: list[str], seed: int):
-    """(resolution, bytes, frame indices) per video: one seeded clip each, as the pipelines draw."""
+    """{"WxH": [(bytes, frame indices), ...]}: one seeded clip per video, as the pipelines draw,
+    grouped by resolution."""
     from torchcodec.decoders import VideoDecoder
 
     jobs: dict[str, list] = {}
