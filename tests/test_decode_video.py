@@ -43,17 +43,29 @@ def read_index(frame: torch.Tensor) -> int:
     return sum(1 << b for b in range(16) if means[b] > 128)
 
 
-def make_mp4(num_frames: int, fps: int = 24, keyint: int = 8) -> bytes:
+# How the test MP4s are laid out: "fragmented" (moof boxes, as streamed), "moov at end" (as
+# ffmpeg writes a file), "faststart" (moov first, as served on the web). Only the last two have
+# the sample tables that the torchcodec decoder slims (decode.mp4).
+LAYOUTS = {"fragmented": ["-movflags", "frag_keyframe+empty_moov"], "moov at end": [],
+           "faststart": ["-movflags", "+faststart"]}
+
+
+def make_mp4(num_frames: int, fps: int = 24, keyint: int = 8, layout: str = "fragmented",
+             codec: list[str] = ("-c:v", "libx264")) -> bytes:
     raw = b"".join(index_frame(i).tobytes() for i in range(num_frames))
-    cmd = ["ffmpeg", "-v", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{W}x{H}",
-           "-r", str(fps), "-i", "-", "-c:v", "libx264", "-g", str(keyint), "-pix_fmt",
-           "yuv420p", "-movflags", "frag_keyframe+empty_moov", "-f", "mp4", "-"]
-    return subprocess.run(cmd, input=raw, capture_output=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "v.mp4")  # a file: only a fragmented MP4 can go to a pipe
+        cmd = ["ffmpeg", "-v", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{W}x{H}",
+               "-r", str(fps), "-i", "-", *codec, "-g", str(keyint), "-pix_fmt", "yuv420p",
+               *LAYOUTS[layout], out]
+        subprocess.run(cmd, input=raw, capture_output=True, check=True)
+        with open(out, "rb") as f:
+            return f.read()
 
 
-@pytest.fixture(scope="module")
-def mp4() -> bytes:
-    return make_mp4(48)
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def mp4(request) -> bytes:
+    return make_mp4(48, layout=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +207,145 @@ def _plain_mp4(inputs: list[str], raw: bytes | None = None) -> bytes:
 def test_images_have_no_clips():
     for name in ("pil", "torchvision"):
         assert not hasattr(get_decoder(name), "decode_clip")
+
+
+# Slimming (decode.mp4): non-reference frames a clip doesn't return are left out before FFmpeg
+# decodes them; the frames it returns must be the very same pixels.
+
+@pytest.fixture(scope="module")
+def long_mp4() -> bytes:
+    """x264's defaults (B-frames, some of them non-reference), keyframe every 24 frames."""
+    return make_mp4(96, keyint=24, layout="moov at end")
+
+
+def _both_ways(data, spec, *, plan=None, seed=0):
+    """The clip decoded slimmed and as torchcodec alone decodes it, from the same draw."""
+    from fastmm.decode.torchcodec import Decoder
+
+    out = []
+    for skip in (True, False):
+        d = Decoder(skip_unused_frames=skip)
+        g = torch.Generator().manual_seed(seed)
+        out.append(d.decode_clip(data, spec, generator=g) if plan is None else
+                   d.decode_resized_clip(data, spec, plan, generator=g))
+    return out
+
+
+@pytest.mark.parametrize("spec", [
+    ClipSpec(num_frames=16, stride=2, sampling="random"),
+    ClipSpec(num_frames=8, stride=3, sampling="random"),
+    ClipSpec(num_frames=5, stride=1, sampling="random"),
+    ClipSpec(num_frames=6, fps=8.0, sampling="random"),
+    ClipSpec(num_frames=7, sampling="uniform"),
+])
+def test_slimmed_clips_are_the_same_frames(long_mp4, spec):
+    from fastmm.decode import mp4 as slim
+
+    track = slim.parse(long_mp4)
+    assert track is not None and track.num_frames == 96
+    dropped = 0
+    for seed in range(8):
+        (clip, idx), (plain, plain_idx) = _both_ways(long_mp4, spec, seed=seed)
+        assert idx == plain_idx and torch.equal(clip, plain)
+        _check(clip, idx, spec.num_frames)
+        dropped += (slim.slim_clip(long_mp4, track, idx) or slim.Slim(b"", [], [], 0, 0)).dropped
+    if spec.stride == 2:
+        assert dropped > 8  # every 2nd frame: x264's non-reference B-frames are between them
+
+
+def test_slimmed_resized_clips_are_the_same_pixels(long_mp4):
+    from fastmm.decode.base import CropPlan
+
+    spec = ClipSpec(num_frames=10, stride=2, sampling="random")
+    for seed, box in enumerate([(0, 0, H, W), (3, 7, 41, 50)]):
+        (clip, idx), (plain, plain_idx) = _both_ways(
+            long_mp4, spec, plan=lambda w, h: CropPlan(*box, 24, 20, True), seed=seed)
+        assert idx == plain_idx and torch.equal(clip, plain) and clip.shape == (10, 3, 24, 20)
+
+
+@pytest.mark.parametrize("variant,slims", [
+    ("no B-frames", False), ("no edit list", True), ("faststart", True),
+    ("fragmented", False), ("HEVC", False)])
+def test_files_slimming_cannot_read_are_decoded_as_they_are(variant, slims):
+    from fastmm.decode import mp4 as slim
+
+    layout, codec = "moov at end", ["-c:v", "libx264"]
+    if variant == "no B-frames":
+        codec += ["-bf", "0"]
+    elif variant == "no edit list":
+        codec += ["-use_editlist", "0"]
+    elif variant in ("faststart", "fragmented"):
+        layout = variant
+    elif variant == "HEVC":
+        codec = ["-c:v", "libx265", "-x265-params", "log-level=error"]
+    data = make_mp4(72, keyint=24, layout=layout, codec=codec)
+    spec = ClipSpec(num_frames=12, stride=2, sampling="random")
+    track = slim.parse(data)
+    made = 0
+    for seed in range(4):
+        (clip, idx), (plain, _) = _both_ways(data, spec, seed=seed)
+        assert torch.equal(clip, plain)
+        _check(clip, idx, 12)
+        made += track is not None and slim.slim_clip(data, track, idx) is not None
+    assert (made > 0) == slims
+
+
+def test_damaged_sample_tables_never_give_other_frames(long_mp4):
+    """A byte of the moov changed: a clip or a DecodeError, never another exception; and where
+    the damaged file decoded as it is still gives the frames asked for, slimming gives them
+    too. (Where it doesn't, as with a damaged ctts that reorders the frames, both are wrong
+    in their own way: the file's sample tables are what is damaged.)"""
+    from fastmm.decode import mp4 as slim
+
+    start, end = slim.parse(long_mp4).moov
+    rng = np.random.default_rng(0)
+    spec = ClipSpec(num_frames=8, stride=2, sampling="random")
+    compared = 0
+    for trial in range(120):
+        data = bytearray(long_mp4)
+        at = int(rng.integers(start, end))
+        data[at] = int(rng.integers(0, 256))
+        idx = spec.frame_indices(96, generator=torch.Generator().manual_seed(trial))
+        slimmed, plain = _ways(bytes(data), spec, trial)
+        for clip in (slimmed, plain):
+            assert isinstance(clip, DecodeError) or clip.shape == (8, 3, H, W)
+        if isinstance(plain, torch.Tensor) and [read_index(f) for f in plain] == idx:
+            assert isinstance(slimmed, torch.Tensor) and torch.equal(slimmed, plain), \
+                f"byte {at - start} of the moov"
+            compared += 1
+    assert compared > 40
+
+
+def _ways(data, spec, seed) -> list:
+    """The clip (or the DecodeError) slimmed, then decoded as the file is."""
+    from fastmm.decode.torchcodec import Decoder
+
+    out = []
+    for skip in (True, False):
+        try:
+            out.append(Decoder(skip_unused_frames=skip).decode_clip(
+                data, spec, generator=torch.Generator().manual_seed(seed))[0])
+        except DecodeError as e:
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("box,fields", [
+    ("stsz", {4: 1, 8: 0xFFFFFFFF}),  # one size for every sample, and 4 billion of them
+    ("stts", {8: 0xFFFFFFFF}), ("ctts", {8: 0xFFFFFFFF}), ("stsc", {12: 0xFFFFFFFF})])
+def test_absurd_sample_counts_are_refused_before_allocating(long_mp4, box, fields):
+    """``fields``: offset in the box's payload -> new 32-bit value. Offset 4 is the entry count
+    (stsz: the one size of every sample), 8 the first entry's first word (stsz: the sample
+    count), 12 its second (stsc: samples per chunk)."""
+    import resource
+    import struct
+
+    from fastmm.decode import mp4 as slim
+
+    data = bytearray(long_mp4)
+    at = data.index(box.encode()) + 4
+    for field, value in fields.items():
+        struct.pack_into(">I", data, at + field, value)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert slim.parse(bytes(data)) is None
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB

@@ -9,7 +9,8 @@ typically writes, on the generated multimodal corpus, same output size, batch an
 - video: 16-frame clips at 224x224 (frames every 2nd source frame from a random start): torch
   DataLoader over a Dataset that decodes with torchcodec (then v2 Resize(224) + CenterCrop(224)),
   the same with PyAV, against fastmm.DataLoader over MultimodalDataset (torchcodec backend,
-  centre crop first, then torch's uint8 resize).
+  centre crop first, then torch's uint8 resize), with and without leaving out the
+  non-reference frames the clip does not return (decode.mp4; the same pixels).
 
 Every arm's frame and crop choices come from the same random draws (ClipSpec, and torchvision's
 RandomResizedCrop order), so all arms do the same work. Repetitions are interleaved (A B C A B C)
@@ -155,13 +156,18 @@ def _arms(root: str, workload: str, batch: int, workers: int):
             "fastmm, exact (pil)": (fastmm.DataLoader, MultimodalDataset(
                 manifest, decoder="pil", **ours)),
         }
+    from ..decode.torchcodec import Decoder
+
     files = _files(root, ("mp4",))
+    ours = dict(source="posix", modality="video", clip=_clip_spec(), size=SIZE, crop="center",
+                transform=media)
     return {
         "torch + torchcodec": (torch.utils.data.DataLoader, TorchcodecClipDataset(files)),
         "torch + PyAV": (torch.utils.data.DataLoader, PyAVClipDataset(files)),
         "fastmm (torchcodec)": (fastmm.DataLoader, MultimodalDataset(
-            manifest, source="posix", decoder="torchcodec", modality="video", clip=_clip_spec(),
-            size=SIZE, crop="center", transform=media)),
+            manifest, decoder=Decoder(), **ours)),
+        "fastmm, every frame decoded": (fastmm.DataLoader, MultimodalDataset(
+            manifest, decoder=Decoder(skip_unused_frames=False), **ours)),
     }
 
 

@@ -2,7 +2,9 @@
 and images through torchcodec's own image decoders.
 
 Clip caps are checked from the container metadata (frame count and size) before any frame is
-decoded. The CUDA (NVDEC) path is torchcodec's ``device=`` argument and is NOT tested here:
+decoded. On the CPU, an H.264 MP4 is first slimmed (``mp4.slim_clip``): the non-reference
+frames the clip does not return are left out before FFmpeg sees them, with the same pixels.
+The CUDA (NVDEC) path is torchcodec's ``device=`` argument and is NOT tested here:
 it needs a check on a GPU machine.
 """
 
@@ -14,12 +16,19 @@ import torch
 from torchcodec import decoders as tcd
 from torchcodec.transforms import DecoderTransform
 
+from . import mp4
 from .base import ClipSpec, CropPlan, DecodeError, LibraryDecoder, crop_resize
 
 
 class Decoder(LibraryDecoder):
     name = "torchcodec"
     label = "torchcodec"
+
+    def __init__(self, *, skip_unused_frames: bool = True, **kwargs):
+        """``skip_unused_frames=False`` decodes every frame from the keyframe on, as
+        torchcodec alone does (for comparison: the frames returned are the same)."""
+        super().__init__(**kwargs)
+        self.skip_unused_frames = skip_unused_frames
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
         return tcd.decode_image(
@@ -56,6 +65,19 @@ class Decoder(LibraryDecoder):
     def _clip(self, data, spec, key, generator, transforms):
         if not data:
             raise DecodeError("empty", key, "zero-byte video")
+        track = mp4.parse(data) if self.skip_unused_frames and self.device == "cpu" else None
+        idx = None
+        if track is not None:
+            try:
+                idx = spec.frame_indices(track.num_frames, track.average_fps(), key=key,
+                                         generator=generator)
+            except DecodeError:  # the decoder's own count decides
+                track = None
+        if track is not None:
+            slim = mp4.slim_clip(data, track, idx)
+            frames = slim and self._slim_clip(slim, spec, key, transforms)
+            if frames is not None:
+                return frames, idx
         try:
             # "exact" scans the packets once (no pixels) for true frame counts and seeking
             dec = tcd.VideoDecoder(data, device=self.device, seek_mode="exact",
@@ -67,12 +89,30 @@ class Decoder(LibraryDecoder):
         if total < 1:
             raise DecodeError("no_video", key, "the video has no frames")
         self.limits.check_clip(spec.num_frames, meta.width, meta.height, key)  # before decoding
-        idx = spec.frame_indices(total, meta.average_fps, key=key, generator=generator)
+        if track is None or total != track.num_frames:  # else the draw made from our own parse
+            idx = spec.frame_indices(total, meta.average_fps, key=key, generator=generator)
         try:
             frames = dec.get_frames_at(indices=idx).data
         except Exception as e:
             raise DecodeError("corrupt", key, f"decoding frames {idx} failed: {e}") from None
         return frames, idx
+
+    def _slim_clip(self, slim: mp4.Slim, spec, key, transforms) -> torch.Tensor | None:
+        """The clip's frames from the slimmed MP4, or None where FFmpeg does not read it as
+        mp4.slim_clip expects (then the file is decoded as it is)."""
+        try:
+            dec = tcd.VideoDecoder(slim.data, device=self.device, seek_mode="exact",
+                                   transforms=transforms or None)
+            meta = dec.metadata
+            if meta.num_frames != slim.num_frames:
+                return None
+            self.limits.check_clip(spec.num_frames, meta.width, meta.height, key)
+            batch = dec.get_frames_at(indices=slim.indices)
+        except DecodeError:
+            raise
+        except Exception:
+            return None
+        return batch.data if batch.pts_seconds.tolist() == slim.pts_seconds else None
 
 
 class _PlannedCrop(DecoderTransform):
@@ -86,7 +126,9 @@ class _PlannedCrop(DecoderTransform):
         height, width = input_dims
         if height is None or width is None:
             raise ValueError("the container gives no frame size to plan the crop from")
-        p = self.plan = self._make_plan(width, height)
+        if self.plan is None:  # one plan per clip, however often the video is opened
+            self.plan = self._make_plan(width, height)
+        p = self.plan
         return f"crop, {p.height}, {p.width}, {p.left}, {p.top}"
 
 
