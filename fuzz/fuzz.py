@@ -14,6 +14,9 @@ Targets:
           tensors inside the slabs they name or a ValueError, never a read outside them.
   state   a loader's state_dict damaged a field at a time (a checkpoint edited or cut):
           load_state_dict raises ValueError, or what it loads can be applied.
+  mp4     the MP4 sample tables the torchcodec backend slims (decode.mp4) on any bytes: parse
+          gives None or samples inside the file; a slimmed file parses again with the clip's
+          frames, byte for byte, at the indices it names; nothing raises.
 
 A crash or a hang (-timeout, default 10 s here) writes the input to crash-*/timeout-* and exits
 non-zero. The seeds (valid tars of each format, a real index, real layouts) are made at start.
@@ -39,6 +42,7 @@ with atheris.instrument_imports(include=["fastmm"]):
 
     import fastmm
     from fastmm import _twin, collate, resume
+    from fastmm.decode import mp4
     from fastmm.sources import SourceError
     from fastmm.sources.shards import ShardSource, _valid_index, iter_members
 
@@ -349,12 +353,53 @@ def state_one(data: bytes) -> None:
     _state.one(data)
 
 
+# -- mp4 ---------------------------------------------------------------------------------------
+
+
+def _mp4_seeds() -> list[bytes]:
+    """A small x264 file with B-frames, as ffmpeg writes it (the index at the end)."""
+    import numpy as np
+
+    from fastmm.bench.mmcorpus import encode_h264
+
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 4, (32, 32, 3), np.uint8) * 64 for _ in range(30)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "v.mp4")
+        encode_h264(frames, 32, 32, 24, 12, 40, path)
+        with open(path, "rb") as f:
+            return [f.read()]
+
+
+def mp4_one(data: bytes) -> None:
+    track = mp4.parse(data)
+    if track is None:
+        return
+    n = track.num_frames
+    assert n >= 1 and len(track.offsets) == len(track.dts) == len(track.cts) == n
+    assert track.offsets.min() >= 0 and int((track.offsets + track.sizes).max()) <= len(data)
+    start = zlib.crc32(data) % n  # a clip somewhere in the video, every 2nd frame
+    wanted = list(range(start, n, 2))[:8]
+    slim = mp4.slim_clip(data, track, wanted)
+    if slim is None:
+        return
+    again = mp4.parse(slim.data)
+    assert again is not None and again.num_frames == slim.num_frames == n - slim.dropped
+    order = again.pts.argsort(kind="stable")
+    frames = track.pts.argsort(kind="stable")
+    for old, new in zip(wanted, slim.indices):
+        a, b = frames[old], order[new]
+        assert data[track.offsets[a]:track.offsets[a] + track.sizes[a]] == \
+            slim.data[again.offsets[b]:again.offsets[b] + again.sizes[b]], (old, new)
+
+
 TARGETS = {
     "tar": (tar_one, _tar_seeds),
     "index": (index_one, lambda: [_IndexTarget().seed, b"{}"]),
     "gather": (gather_one, lambda: [bytes(64), bytes(range(256))]),
     "layout": (layout_one, _layout_seeds),
     "state": (state_one, lambda: [bytes(16), bytes(range(256))]),
+    "mp4": (mp4_one, _mp4_seeds),
 }
 
 

@@ -37,12 +37,14 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
     """(name, command, its report file) for every part."""
     py = [sys.executable, "-m"]
     # Sized so that the whole job stays under 10 minutes on a 2-core machine, slow days
-    # included (724 s with the loader's decode-b256 case and 400 staged images on one such day,
-    # 478 s on a quiet one); each part's own default run is fuller: both decode batch sizes,
-    # 400 images to stage, world 4 and three shard sizes.
+    # included: 568 s on 2026-12-01, a day this machine ran a Python loop 2-4x slower than
+    # usual (724 s on a better day with the loader's decode-b256 case and 400 staged images).
+    # Each part's own default run is fuller: both decode batch sizes, 400 images to stage,
+    # world 4 and three shard sizes.
     loader = ["--quick"] if quick else ["--reps", "3", "--mem-reps", "1", "--min-seconds", "2",
                                         "--num-images", "600", "--decode-batch-sizes", "32"]
     staging = ["--quick"] if quick else ["--images", "240"]
+    gpu_decode = ["--quick"] if quick else []
     shards = ["--quick"] if quick else ["--worlds", "2", "--images", "160",
                                         "--shard-bytes", "1000000"]
     return [
@@ -54,7 +56,7 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
         ("staging", py + ["fastmm.bench.study_staging", "--out", os.path.join(out, "staging"),
                           "--cache-dir", cache, *staging], os.path.join("staging", "staging.md")),
         ("gpu-decode", py + ["fastmm.bench.study_gpu_decode", "--out",
-                             os.path.join(out, "gpu-decode"), "--cache-dir", cache, *staging],
+                             os.path.join(out, "gpu-decode"), "--cache-dir", cache, *gpu_decode],
          os.path.join("gpu-decode", "gpu_decode.md")),
         ("shards", py + ["fastmm.bench.study_shards", "--out", os.path.join(out, "shards"),
                          "--cache-dir", cache, *shards], os.path.join("shards", "shards.md")),

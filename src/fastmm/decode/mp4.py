@@ -109,6 +109,8 @@ def _parse(data: bytes) -> Track | None:
     top = _children(data, 0, len(data))
     if b"moof" in top:
         return None  # fragmented
+    if max(stop for boxes in top.values() for _, _, stop in boxes) != len(data):
+        return None  # bytes after the last box: a moov appended after them would not be read
     moov = _one(top, b"moov")
     videos = []
     for trak in _children(data, moov[1], moov[2]).get(b"trak", []):
@@ -152,6 +154,8 @@ def _parse(data: bytes) -> Track | None:
     offsets = _sample_offsets(data, tables, sizes)
     if offsets.min() < 0 or int((offsets + sizes).max()) > len(data):
         return None
+    if ((offsets < moov[2]) & (offsets + sizes > moov[0])).any():
+        return None  # a sample inside the moov box, whose type slim_clip rewrites
     stts = _table(data, *_one(tables, b"stts")[1:], 2).astype(np.int64)
     if stts[:, 0].sum() != n:  # checked before the table is expanded
         return None
@@ -289,6 +293,8 @@ def _slim_moov(data: bytes, track: Track, keep: np.ndarray) -> bytes:
     cts = track.cts[keep]
     signed = cts.min() < 0
     offsets = track.offsets[keep]
+    if deltas.max() >= 2**32 or cts.min() < -2**31 or cts.max() >= 2**31 << (not signed):
+        raise ValueError("times that the tables can't hold")
     stts = _runs(deltas)
     tables = [_full_box(b"stts", struct.pack(">I", len(stts)) + stts.astype(">u4").tobytes())]
     if track.cts.any():
