@@ -14,7 +14,8 @@ Targets:
           tensors inside the slabs they name or a ValueError, never a read outside them.
   state   a loader's state_dict damaged a field at a time (a checkpoint edited or cut):
           load_state_dict raises ValueError, or what it loads can be applied.
-  mp4     the MP4 sample tables the torchcodec backend slims (decode.mp4) on any bytes: parse
+  mp4     the MP4 sample tables the torchcodec backend slims (decode.mp4, H.264 and HEVC
+          seeds) on any bytes: parse
           gives None or samples inside the file; a slimmed file parses again with the clip's
           frames, byte for byte, at the indices it names; nothing raises.
 
@@ -357,18 +358,34 @@ def state_one(data: bytes) -> None:
 
 
 def _mp4_seeds() -> list[bytes]:
-    """A small x264 file with B-frames, as ffmpeg writes it (the index at the end)."""
+    """Small files with B-frames, as ffmpeg writes them (the index at the end): x264, and x265
+    where the ffmpeg CLI has it."""
+    import shutil
+    import subprocess
+
     import numpy as np
 
     from fastmm.bench.mmcorpus import encode_h264
 
     rng = np.random.default_rng(0)
     frames = [rng.integers(0, 4, (32, 32, 3), np.uint8) * 64 for _ in range(30)]
+    seeds = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "v.mp4")
         encode_h264(frames, 32, 32, 24, 12, 40, path)
         with open(path, "rb") as f:
-            return [f.read()]
+            seeds.append(f.read())
+        if shutil.which("ffmpeg"):
+            hevc = os.path.join(tmp, "h.mp4")
+            made = subprocess.run(
+                ["ffmpeg", "-v", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", "32x32",
+                 "-r", "24", "-i", "-", "-c:v", "libx265", "-x265-params", "log-level=error",
+                 "-g", "12", "-pix_fmt", "yuv420p", hevc],
+                input=b"".join(f.tobytes() for f in frames), capture_output=True)
+            if made.returncode == 0:
+                with open(hevc, "rb") as f:
+                    seeds.append(f.read())
+    return seeds
 
 
 def mp4_one(data: bytes) -> None:

@@ -1,16 +1,18 @@
-"""Leave out the H.264 frames a clip neither shows nor needs, before FFmpeg decodes them.
+"""Leave out the H.264 and HEVC frames a clip neither shows nor needs, before FFmpeg decodes them.
 
 FFmpeg decodes every frame from the keyframe before a clip to its last frame, and the frames
-decoded after that until the decoder's reordering lets the last one out. A frame whose slices
-all have ``nal_ref_idc`` 0 is never used to predict another one (H.264 7.4.1), so if the clip
-does not return it, it can go, as can every frame after the clip's last in decode order (the
-decoder's flush at the end of the file lets the rest out): the frames returned are
-bit-identical. With x264's default B-frames that is about a third of the frames decoded for a
-clip taking every 2nd frame.
+decoded after that until the decoder's reordering lets the last one out. A non-reference frame
+is never used to predict another one, so if the clip does not return it, it can go, as can
+every frame after the clip's last in decode order (the decoder's flush at the end of the file
+lets the rest out): the frames returned are bit-identical. Non-reference means: in H.264,
+every slice has ``nal_ref_idc`` 0 (7.4.1); in HEVC, a sub-layer non-reference slice type
+(TRAIL_N, TSA_N, ...) in a stream of one temporal sub-layer (7.4.2.2). With x264's default
+B-frames that is about a third of the frames decoded for a clip taking every 2nd frame.
 
 :func:`slim_clip` rewrites the video track's sample tables in memory so those samples are
 gone. No sample moves: the old ``moov`` box becomes a ``free`` box and the new one is appended.
-Anything it does not know for sure (fragmented MP4, not H.264 with an ``avcC``, an edit list
+Anything it does not know for sure (fragmented MP4, not H.264 in ``avcC`` or HEVC of one
+sub-layer in ``hvcC``, an edit list
 other than one plain entry, not exactly one video track, tables that disagree) gives None, and
 the clip is decoded from the file as it is. The caller checks the result against what the
 decoder reports and falls back the same way.
@@ -32,7 +34,8 @@ class Track(NamedTuple):
     dts: np.ndarray        # decode time, in timescale units
     cts: np.ndarray        # composition offset: presentation time = dts + cts
     sync: np.ndarray | None  # 1-based keyframe sample numbers; None: every sample is one
-    nal_length: int        # bytes of the length before each NAL unit (avcC)
+    codec: str             # "h264" or "hevc"
+    nal_length: int        # bytes of the length before each NAL unit (avcC, hvcC)
     media_time: int        # the edit list's start: FFmpeg's timestamps are pts - media_time
     moov: tuple[int, int]  # where the moov box is: (start, end)
     path: tuple[tuple[int, int, bytes], ...]  # (start, header bytes, type) moov ... stbl
@@ -97,7 +100,7 @@ def _table(data, payload: int, stop: int, fields: int, dtype=">u4") -> np.ndarra
 
 
 def parse(data: bytes) -> Track | None:
-    """The one video track of an MP4 (H.264 in avcC), or None where :func:`slim_clip` can't
+    """The one video track of an MP4 (H.264 or HEVC), or None where :func:`slim_clip` can't
     be sure of it."""
     try:
         return _parse(data)
@@ -135,10 +138,18 @@ def _parse(data: bytes) -> Track | None:
 
     stsd = _one(tables, b"stsd")
     entry = next(_boxes(data, stsd[1] + 8, stsd[2]))
-    if entry[0] not in (b"avc1", b"avc3") or struct.unpack_from(">I", data, stsd[1] + 4)[0] != 1:
+    if struct.unpack_from(">I", data, stsd[1] + 4)[0] != 1:
+        return None  # not one sample description
+    config = _children(data, entry[2] + 78, entry[3])  # after the visual sample entry fields
+    if entry[0] in (b"avc1", b"avc3"):
+        codec, nal_length = "h264", (data[_one(config, b"avcC")[1] + 4] & 3) + 1
+    elif entry[0] in (b"hvc1", b"hev1"):
+        info = data[_one(config, b"hvcC")[1] + 21]
+        if info >> 3 & 7 != 1:
+            return None  # temporal sub-layers: a sub-layer non-reference frame may be referenced
+        codec, nal_length = "hevc", (info & 3) + 1
+    else:
         return None
-    avcc = _one(_children(data, entry[2] + 78, entry[3]), b"avcC")
-    nal_length = (data[avcc[1] + 4] & 3) + 1
 
     stsz = _one(tables, b"stsz")
     fixed, count = struct.unpack_from(">II", data, stsz[1] + 4)
@@ -186,7 +197,7 @@ def _parse(data: bytes) -> Track | None:
             return None
     path = tuple((box[0], box[1] - box[0], data[box[0] + 4:box[0] + 8])
                  for box in (moov, trak, mdia, minf, stbl))
-    return Track(timescale, sizes, offsets, dts, cts, sync, nal_length, media_time,
+    return Track(timescale, sizes, offsets, dts, cts, sync, codec, nal_length, media_time,
                  (moov[0], moov[2]), path, int(deltas[-1]))
 
 
@@ -213,15 +224,21 @@ def _sample_offsets(data, tables, sizes: np.ndarray) -> np.ndarray:
     return chunks[chunk_of] + before - before[first[chunk_of]]
 
 
-def is_reference(data: bytes, offset: int, size: int, nal_length: int) -> bool:
-    """Whether a sample's first slice may be used to predict other frames (nal_ref_idc != 0);
-    True when it can't tell."""
+_HEVC_SUB_LAYER_NON_REFERENCE = {0, 2, 4, 6, 8, 10, 12, 14}  # TRAIL_N, TSA_N, ... RSV_VCL_N14
+
+
+def is_reference(data: bytes, offset: int, size: int, codec: str, nal_length: int) -> bool:
+    """Whether a sample's first slice may be used to predict other frames; True when it can't
+    tell."""
     end, pos = offset + size, offset
-    while pos + nal_length < end:
+    while pos + nal_length + 1 < end:
         length = int.from_bytes(data[pos:pos + nal_length], "big")
         header = data[pos + nal_length]
-        if header & 0x1F in (1, 5):  # a coded slice: non-IDR or IDR
-            return header & 0x60 != 0
+        if codec == "h264" and header & 0x1F in (1, 5):  # a slice: non-IDR or IDR
+            return header & 0x60 != 0  # nal_ref_idc
+        if codec == "hevc" and header >> 1 < 32:  # a slice (VCL NAL unit types 0-31)
+            temporal_id = (data[pos + nal_length + 1] & 7) - 1
+            return header >> 1 not in _HEVC_SUB_LAYER_NON_REFERENCE or temporal_id != 0
         pos += nal_length + length
     return True
 
@@ -257,7 +274,7 @@ def _slim_clip(data: bytes, track: Track, wanted: list[int]) -> Slim | None:
     needed = set(need.tolist()) | set(keyframes.tolist())
     for s in range(first, last + 1):
         if s not in needed and not is_reference(data, int(track.offsets[s]), int(track.sizes[s]),
-                                                track.nal_length):
+                                                track.codec, track.nal_length):
             keep[s] = False
     dropped = int((~keep).sum())
     if dropped == 0:
