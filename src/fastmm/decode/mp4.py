@@ -248,13 +248,14 @@ class Slim(NamedTuple):
     indices: list[int]    # the clip's frames, numbered in the slim file
     pts_seconds: list[float]  # what the decoder must report for them
     num_frames: int       # frames in the slim file
-    dropped: int
+    dropped: int          # samples left out
 
 
 def slim_clip(data: bytes, track: Track, wanted: list[int]) -> Slim | None:
-    """``data`` without the non-reference samples between the clip's keyframe and its last
-    frame that the clip does not show (``wanted``: frame indices in presentation order); None
-    when there are none, or the tables can't be rewritten."""
+    """``data`` without the samples the clip's frames (``wanted``: indices in presentation
+    order) don't need: the non-reference ones between its keyframe and its last frame that it
+    does not show, and every one after its last frame in decode order. None when there are
+    none, or the tables can't be rewritten."""
     try:
         return _slim_clip(data, track, wanted)
     except (ValueError, IndexError, struct.error, OverflowError):
@@ -280,8 +281,8 @@ def _slim_clip(data: bytes, track: Track, wanted: list[int]) -> Slim | None:
     if dropped == 0:
         return None
     moov = _slim_moov(data, track, keep)
-    start, end = track.moov
-    slim = b"".join((data[:start + 4], b"free", data[start + 8:], moov))
+    moov_at = track.moov[0]
+    slim = b"".join((data[:moov_at + 4], b"free", data[moov_at + 8:], moov))
     kept_pts = track.pts[keep]
     rank = np.argsort(np.argsort(kept_pts, kind="stable"), kind="stable")
     new_index = np.cumsum(keep) - 1  # sample number in the slim file, decode order
