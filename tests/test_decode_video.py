@@ -51,13 +51,15 @@ LAYOUTS = {"fragmented": ["-movflags", "frag_keyframe+empty_moov"], "moov at end
 
 
 def make_mp4(num_frames: int, fps: int = 24, keyint: int = 8, layout: str = "fragmented",
-             codec: list[str] = ("-c:v", "libx264")) -> bytes:
+             codec: list[str] = ("-c:v", "libx264"), audio: bool = False) -> bytes:
     raw = b"".join(index_frame(i).tobytes() for i in range(num_frames))
+    sound = (["-f", "lavfi", "-t", str(num_frames / fps), "-i", "sine=frequency=440:sample_rate=8000"]
+             if audio else [])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "v.mp4")  # a file: only a fragmented MP4 can go to a pipe
         cmd = ["ffmpeg", "-v", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{W}x{H}",
-               "-r", str(fps), "-i", "-", *codec, "-g", str(keyint), "-pix_fmt", "yuv420p",
-               *LAYOUTS[layout], out]
+               "-r", str(fps), "-i", "-", *sound, *codec, "-g", str(keyint), "-pix_fmt",
+               "yuv420p", *(["-c:a", "aac"] if audio else []), *LAYOUTS[layout], out]
         subprocess.run(cmd, input=raw, capture_output=True, check=True)
         with open(out, "rb") as f:
             return f.read()
@@ -271,11 +273,12 @@ def test_slimmed_resized_clips_are_the_same_pixels(long_mp4):
 
 
 @pytest.mark.parametrize("variant,slims", [
-    ("no B-frames", True), ("no edit list", True), ("faststart", True),
+    ("no B-frames", True), ("no edit list", True), ("faststart", True), ("with audio", True),
     ("fragmented", False), ("HEVC", True)])
 def test_other_encodings_and_layouts_decode_the_same(variant, slims):
     """Without B-frames only the frames after the clip go; fragmented files are decoded as
-    they are; HEVC (x265) loses its non-reference frames as H.264 does."""
+    they are; HEVC (x265) loses its non-reference frames as H.264 does; an audio track beside
+    the video is kept as it is (its chunks don't move either)."""
     from fastmm.decode import mp4 as slim
 
     layout, codec = "moov at end", ["-c:v", "libx264"]
@@ -287,7 +290,7 @@ def test_other_encodings_and_layouts_decode_the_same(variant, slims):
         layout = variant
     elif variant == "HEVC":
         codec = CODECS["hevc"]
-    data = make_mp4(72, keyint=24, layout=layout, codec=codec)
+    data = make_mp4(72, keyint=24, layout=layout, codec=codec, audio=variant == "with audio")
     spec = ClipSpec(num_frames=12, stride=2, sampling="random")
     track = slim.parse(data)
     made = 0

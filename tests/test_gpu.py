@@ -86,3 +86,25 @@ def test_nvdec_clip_frames_are_the_frames_asked_for(tmp_path):
     assert [read_frame_index(f.cpu()) for f in clip] == idx
     on_cpu, _ = get_decoder("torchcodec").decode_clip(data, spec, key="v")
     assert (clip.cpu().float() - on_cpu.float()).abs().mean() < 2.0
+
+
+def test_nvdec_slimmed_clips_are_the_same_frames(tmp_path):
+    """MP4 slimming (decode.mp4) with NVDEC: the same frames as NVDEC on the whole file. It is
+    off on CUDA by default until this passes on a GPU machine."""
+    pytest.importorskip("torchcodec")
+    from fastmm.bench.mmcorpus import encode_h264, index_pattern, read_frame_index
+    from fastmm.decode import ClipSpec, mp4
+    from fastmm.decode.torchcodec import Decoder
+
+    frames = (np.tile(index_pattern(i), (4, 4, 1)) for i in range(96))  # x264 with B-frames
+    encode_h264(frames, 256, 256, 24, 24, 18, str(tmp_path / "v.mp4"))
+    data, spec = (tmp_path / "v.mp4").read_bytes(), ClipSpec(num_frames=8, stride=2,
+                                                            sampling="random")
+    assert mp4.parse(data) is not None
+    for seed in range(6):
+        clips = [Decoder(device="cuda", skip_unused_frames=skip).decode_clip(
+            data, spec, generator=torch.Generator().manual_seed(seed)) for skip in (True, False)]
+        (slimmed, idx), (whole, whole_idx) = clips
+        assert idx == whole_idx and torch.equal(slimmed, whole)
+        assert [read_frame_index(f.cpu()) for f in slimmed] == idx
+

@@ -2,9 +2,9 @@
 and images through torchcodec's own image decoders.
 
 Clip caps are checked from the container metadata (frame count and size) before any frame is
-decoded. On the CPU, an H.264 MP4 is first slimmed (``mp4.slim_clip``): the non-reference
-frames the clip does not return are left out before FFmpeg sees them, with the same pixels.
-The CUDA (NVDEC) path is torchcodec's ``device=`` argument and is NOT tested here:
+decoded. On the CPU, an H.264 or HEVC MP4 is first slimmed (``mp4.slim_clip``): the frames the
+clip's frames don't need (non-reference ones it does not return, and all after its last) are
+left out before FFmpeg sees them, with the same pixels. The CUDA (NVDEC) path is torchcodec's ``device=`` argument and is NOT tested here:
 it needs a check on a GPU machine.
 """
 
@@ -24,9 +24,11 @@ class Decoder(LibraryDecoder):
     name = "torchcodec"
     label = "torchcodec"
 
-    def __init__(self, *, skip_unused_frames: bool = True, **kwargs):
-        """``skip_unused_frames=False`` decodes every frame from the keyframe on, as
-        torchcodec alone does (for comparison: the frames returned are the same)."""
+    def __init__(self, *, skip_unused_frames: bool | None = None, **kwargs):
+        """``skip_unused_frames``: None (default) slims MP4s on the CPU only; True on NVDEC
+        too (to be checked on a GPU machine first: tests/test_gpu.py); False decodes every
+        frame from the keyframe on, as torchcodec alone does (the frames returned are the
+        same)."""
         super().__init__(**kwargs)
         self.skip_unused_frames = skip_unused_frames
 
@@ -65,7 +67,8 @@ class Decoder(LibraryDecoder):
     def _clip(self, data, spec, key, generator, transforms):
         if not data:
             raise DecodeError("empty", key, "zero-byte video")
-        track = mp4.parse(data) if self.skip_unused_frames and self.device == "cpu" else None
+        slims = self.skip_unused_frames or self.skip_unused_frames is None and self.device == "cpu"
+        track = mp4.parse(data) if slims else None
         idx = None
         if track is not None:
             try:
