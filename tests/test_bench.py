@@ -354,3 +354,22 @@ def test_environment_records_storage_versions_and_topology(tmp_path):
     assert record["gpus"]["devices"] == [] if not torch.cuda.is_available() else \
         record["gpus"]["devices"][0]["memory_bytes"] > 0
     assert record["training_code_git"]["repo"] is None or record["training_code_git"]["commit"]
+
+
+def test_pipelines_quick_run_records_every_repetition(tmp_path):
+    """python -m fastmm.bench.pipelines end to end, small: every arm's rate per repetition,
+    and paired ratios of fastmm over each torch arm and over its own variants."""
+    from fastmm.bench import pipelines
+
+    pytest.importorskip("torchcodec")
+    out = tmp_path / "out"
+    assert pipelines.main(["--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--images",
+                           "64", "--videos", "4", "--reps", "2", "--min-seconds", "0.3",
+                           "--warmup-seconds", "0.3"]) == 0  # --quick, with 2 repetitions
+    result = json.loads((out / "pipelines.json").read_text())
+    video = result["cases"]["video"]
+    assert all(len(v) == 2 and min(v) > 0 for v in video["samples_per_s"].values())
+    ratios = video["ratios_over_baselines"]
+    assert {"fastmm (torchcodec) / torch + PyAV",
+            "fastmm (torchcodec) / fastmm, every frame decoded"} <= set(ratios)
+    assert "fastmm, exact (pil) / fastmm" not in result["cases"]["image"]["ratios_over_baselines"]

@@ -242,13 +242,16 @@ def run(args) -> dict:
                 figs[name].append(rep(name, args.min_seconds, r))
         rates = {n: [f["samples_per_s"] for f in fs] for n, fs in figs.items()}
         base = next(iter(arms))
+        ours = [n for n in arms if n.startswith("fastmm")]
+        pairs = [(a, b) for a in ours for b in arms if not b.startswith("fastmm")]
+        pairs += [(ours[0], b) for b in ours[1:]]  # the default against its variants
         out["cases"][workload] = {
             "batch_size": batch, "num_workers": args.num_workers,
             "arms": {n: stats.summarize(v) for n, v in rates.items()},
+            "samples_per_s": rates,  # every repetition, in the order they ran
             "ratios_over_baselines": {
-                f"{ours} / {b}": stats.summarize(stats.paired_ratios(rates[ours], rates[b]))
-                for ours in arms if ours.startswith("fastmm") for b in arms
-                if not b.startswith("fastmm")
+                f"{a} / {b}": stats.summarize(stats.paired_ratios(rates[a], rates[b]))
+                for a, b in pairs
             },
             "baseline": base,
         }
