@@ -224,16 +224,22 @@ def long_mp4(request) -> bytes:
     return make_mp4(96, keyint=24, layout="moov at end", codec=CODECS[request.param])
 
 
-def _both_ways(data, spec, *, plan=None, seed=0):
-    """The clip decoded slimmed and as torchcodec alone decodes it, from the same draw."""
+def _both_ways(data, spec, *, plan=None, seed=0, errors=False):
+    """The clip decoded slimmed and as torchcodec alone decodes it, from the same draw (with
+    ``errors``, the DecodeError in place of a clip that raised one)."""
     from fastmm.decode.torchcodec import Decoder
 
     out = []
     for skip in (True, False):
         d = Decoder(skip_unused_frames=skip)
         g = torch.Generator().manual_seed(seed)
-        out.append(d.decode_clip(data, spec, generator=g) if plan is None else
-                   d.decode_resized_clip(data, spec, plan, generator=g))
+        try:
+            out.append(d.decode_clip(data, spec, generator=g) if plan is None else
+                       d.decode_resized_clip(data, spec, plan, generator=g))
+        except DecodeError as e:
+            if not errors:
+                raise
+            out.append(e)
     return out
 
 
@@ -318,7 +324,8 @@ def test_damaged_sample_tables_never_give_other_frames(long_mp4):
         at = int(rng.integers(start, end))
         data[at] = int(rng.integers(0, 256))
         idx = spec.frame_indices(96, generator=torch.Generator().manual_seed(trial))
-        slimmed, plain = _ways(bytes(data), spec, trial)
+        slimmed, plain = (r if isinstance(r, DecodeError) else r[0]
+                          for r in _both_ways(bytes(data), spec, seed=trial, errors=True))
         for clip in (slimmed, plain):
             assert isinstance(clip, DecodeError) or clip.shape == (8, 3, H, W)
         if isinstance(plain, torch.Tensor) and [read_index(f) for f in plain] == idx:
@@ -326,20 +333,6 @@ def test_damaged_sample_tables_never_give_other_frames(long_mp4):
                 f"byte {at - start} of the moov"
             compared += 1
     assert compared > 40
-
-
-def _ways(data, spec, seed) -> list:
-    """The clip (or the DecodeError) slimmed, then decoded as the file is."""
-    from fastmm.decode.torchcodec import Decoder
-
-    out = []
-    for skip in (True, False):
-        try:
-            out.append(Decoder(skip_unused_frames=skip).decode_clip(
-                data, spec, generator=torch.Generator().manual_seed(seed))[0])
-        except DecodeError as e:
-            out.append(e)
-    return out
 
 
 @pytest.mark.parametrize("box,fields", [

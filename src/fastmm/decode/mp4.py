@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+
 class Track(NamedTuple):
     """The video track of an MP4, sample by sample in decode order."""
 
@@ -37,9 +38,13 @@ class Track(NamedTuple):
     codec: str             # "h264" or "hevc"
     nal_length: int        # bytes of the length before each NAL unit (avcC, hvcC)
     media_time: int        # the edit list's start: FFmpeg's timestamps are pts - media_time
-    moov: tuple[int, int]  # where the moov box is: (start, end)
-    path: tuple[tuple[int, int, bytes], ...]  # (start, header bytes, type) moov ... stbl
+    path: tuple[tuple[bytes, int, int, int], ...]  # (type, start, payload, end): moov ... stbl
     last_duration: int     # duration of the last sample (stts)
+
+    @property
+    def moov(self) -> tuple[int, int]:
+        """Where the moov box is: (start, end)."""
+        return self.path[0][1], self.path[0][3]
 
     @property
     def num_frames(self) -> int:
@@ -195,10 +200,10 @@ def _parse(data: bytes) -> Track | None:
         media_time, rate = struct.unpack_from(">iI", data, elst[1] + 12)
         if media_time < 0 or rate != 0x10000:
             return None
-    path = tuple((box[0], box[1] - box[0], data[box[0] + 4:box[0] + 8])
+    path = tuple((bytes(data[box[0] + 4:box[0] + 8]), *box)
                  for box in (moov, trak, mdia, minf, stbl))
-    return Track(timescale, sizes, offsets, dts, cts, sync, codec, nal_length, media_time,
-                 (moov[0], moov[2]), path, int(deltas[-1]))
+    return Track(timescale, sizes, offsets, dts, cts, sync, codec, nal_length, media_time, path,
+                 int(deltas[-1]))
 
 
 def _sample_offsets(data, tables, sizes: np.ndarray) -> np.ndarray:
@@ -336,21 +341,14 @@ def _slim_moov(data: bytes, track: Track, keep: np.ndarray) -> bytes:
     # its new child: its bytes before the child, the child, its bytes after
     per_sample = {b"stts", b"ctts", b"stsc", b"stsz", b"stz2", b"stco", b"co64", b"stss", b"sdtp",
                   b"sbgp", b"sgpd", b"stps", b"subs", b"saiz", b"saio", b"cslg"}
-    stbl_at, stbl_head, _ = track.path[-1]
+    _, _, stbl_payload, stbl_end = track.path[-1]
     body = b"".join(bytes(data[box:stop]) for kind, box, _, stop in
-                    _boxes(data, stbl_at + stbl_head, _end(data, stbl_at)) if kind not in per_sample)
+                    _boxes(data, stbl_payload, stbl_end) if kind not in per_sample)
     box = _box(b"stbl", body + b"".join(tables))
-    for (at, head, kind), (child_at, _, _) in zip(track.path[-2::-1], track.path[:0:-1]):
-        box = _box(kind, bytes(data[at + head:child_at]) + box
-                   + bytes(data[_end(data, child_at):_end(data, at)]))
+    for (kind, _, payload, end), (_, child_at, _, child_end) in zip(track.path[-2::-1],
+                                                                   track.path[:0:-1]):
+        box = _box(kind, bytes(data[payload:child_at]) + box + bytes(data[child_end:end]))
     return box
-
-
-def _end(data, at: int) -> int:
-    size = struct.unpack_from(">I", data, at)[0]
-    if size == 1:
-        size = struct.unpack_from(">Q", data, at + 8)[0]
-    return at + size
 
 
 def _box(kind: bytes, payload: bytes) -> bytes:
