@@ -41,13 +41,42 @@ class AugmentedStream(IterableDataset):
     def __init__(self, n: int = 29):
         self.n = n
 
-    def __iter__(self):
+    def ids(self) -> list[int]:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        ids = list(range(wid, self.n, nw)) + ([100 + k for k in range(5)] if wid == 0 else [])
-        for i in ids:
-            yield torch.tensor([i, torch.randint(0, 10**6, ()).item(), random.randrange(10**6),
-                                np.random.randint(10**6)])
+        return list(range(wid, self.n, nw)) + ([100 + k for k in range(5)] if wid == 0 else [])
+
+    @staticmethod
+    def augment(i: int) -> torch.Tensor:
+        return torch.tensor([i, torch.randint(0, 10**6, ()).item(), random.randrange(10**6),
+                             np.random.randint(10**6)])
+
+    def __iter__(self):
+        for i in self.ids():
+            yield self.augment(i)
+
+
+class PositionedStream(AugmentedStream):
+    """Keeps its own position in state_dict() and starts there after load_state_dict(), as
+    torchdata's and HF datasets' resumable streams do (skipping to it draws nothing)."""
+
+    def __init__(self, n: int = 29):
+        super().__init__(n)
+        self.pos = self.start = 0
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        for k, i in enumerate(self.ids()):
+            if k >= start:
+                self.pos = k + 1
+                yield self.augment(i)
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.start = state["pos"]
 
 
 def make_loader(num_workers: int = 2) -> fastmm.DataLoader:

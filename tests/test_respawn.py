@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 import fastmm
 
-from _resume_job import Augmented, AugmentedStream
+from _resume_job import Augmented, AugmentedStream, PositionedStream
 
 
 class SlowAugmented(Augmented):
@@ -97,9 +97,11 @@ def test_respawn_with_persistent_workers_over_two_epochs():
     assert two_epochs(True) == two_epochs(False)
 
 
-def test_respawn_an_iterable_dataset_worker():
+@pytest.mark.parametrize("stream", [AugmentedStream, PositionedStream],
+                         ids=["pulled again", "from its own state"])
+def test_respawn_an_iterable_dataset_worker(stream):
     def make():
-        return fastmm.DataLoader(AugmentedStream(), batch_size=2, num_workers=2,
+        return fastmm.DataLoader(stream(), batch_size=2, num_workers=2,
                                  on_worker_failure="respawn")
 
     clean, _ = _run(make, set())

@@ -22,7 +22,7 @@ import torch
 import fastmm
 from fastmm import resume
 
-from _resume_job import Augmented, AugmentedStream
+from _resume_job import Augmented, AugmentedStream, PositionedStream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPOCHS = 2
@@ -148,38 +148,78 @@ def test_resume_an_iterable_dataset(num_workers):
     _check_resume_everywhere(make, lambda n: [0, 1, 3, n - 3, n - 1, n, n + 1])
 
 
-class PositionedStream(AugmentedStream):
-    """Keeps its own position in state_dict() and starts there after load_state_dict(), as
-    torchdata's and HF datasets' resumable streams do."""
-
-    def __init__(self, n: int = 29):
-        super().__init__(n)
-        self.pos = self.start = 0
-
-    def __iter__(self):
-        start, self.start = self.start, 0
-        for k, item in enumerate(super().__iter__()):
-            if k >= start:
-                self.pos = k + 1
-                yield item
-        self.pos = 0
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.start = state["pos"]
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_a_stream_that_keeps_its_own_position(num_workers):
-    """Without workers its state_dict() is saved as the epoch began: before, the live position
-    was restored and the samples handed out were then pulled and dropped again, so the resumed
-    loader skipped them twice (torchdata's test_state_dict GeneratorIterable, test_no_mp)."""
+    """Each worker's copy (or, without workers, the one) goes on from the state it had after
+    its last batch handed out; nothing handed out is skipped twice (torchdata's test_state_dict
+    GeneratorIterable, test_no_mp, once caught that)."""
     def make():
         return fastmm.DataLoader(PositionedStream(), batch_size=3, num_workers=num_workers)
 
     _check_resume_everywhere(make, lambda n: [0, 1, 3, n - 1, n, n + 1])
+
+
+class LoggedIterator:
+    """An iterator with its own state_dict(), as torchdata's resumable iterators have, that
+    notes every id it makes in a file of its process."""
+
+    def __init__(self, ids, log_dir):
+        self.ids, self.log_dir, self.k = ids, log_dir, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.k == len(self.ids):
+            raise StopIteration
+        i, self.k = self.ids[self.k], self.k + 1
+        with open(os.path.join(self.log_dir, str(os.getpid())), "a") as f:
+            f.write(f"{i}\n")
+        return AugmentedStream.augment(i)
+
+    def state_dict(self):
+        return {"k": self.k}
+
+    def load_state_dict(self, state):
+        self.k = state["k"]
+
+
+class LoggedStream(AugmentedStream):
+    def __init__(self, log_dir):
+        super().__init__()
+        self.log_dir = log_dir
+
+    def __iter__(self):
+        return LoggedIterator(self.ids(), self.log_dir)
+
+
+def _made(log_dir) -> list[int]:
+    ids = []
+    for name in os.listdir(log_dir):
+        with open(os.path.join(log_dir, name)) as f:
+            ids += [int(line) for line in f]
+        os.remove(os.path.join(log_dir, name))
+    return ids
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stream_with_its_own_state_is_not_read_again(tmp_path, num_workers):
+    """A resumed loader does not pull and drop what was handed out when the stream's iterator
+    keeps its own place: it makes only the samples not handed out before the save."""
+    def make():
+        return fastmm.DataLoader(LoggedStream(str(tmp_path)), batch_size=3,
+                                 num_workers=num_workers)
+
+    _check_resume_everywhere(make, lambda n: [0, 1, 3, n - 1, n, n + 1])
+    _made(tmp_path)
+    _seed_main(0)
+    head, state, rng = _batches(make(), 4)
+    assert all(s is not None and s[0] == "iterator" for s in state["worker_streams"])
+    _made(tmp_path)
+    tail = _resumed(make, state, rng, 2)
+    made = _made(tmp_path)
+    handed_out = {row[0] for batch in head for row in batch}
+    assert not handed_out & set(made) and {row[0] for batch in tail for row in batch} <= set(made)
 
 
 def test_a_resumed_loader_can_be_saved_and_resumed_again():

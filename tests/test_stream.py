@@ -160,10 +160,31 @@ def test_a_stream_resumes_mid_epoch(shards):
     assert os.environ.get("RANK") is None  # the ranks above came from arguments
 
 
+class _LogKeys:
+    """A transform noting each item's key in a file of its process."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+
+    def __call__(self, item):
+        with open(os.path.join(self.log_dir, str(os.getpid())), "a") as f:
+            f.write(item["key"] + "\n")
+        return item
+
+    def made(self) -> list[str]:
+        keys = []
+        for name in os.listdir(self.log_dir):
+            with open(os.path.join(self.log_dir, name)) as f:
+                keys += f.read().split()
+            os.remove(os.path.join(self.log_dir, name))
+        return keys
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_resumed_stream_counts_each_bad_sample_once(shards, tmp_path, num_workers):
-    """The samples handed out before the save are pulled again on resume, and their bad ones
-    counted again: the counts restored are those from when the epoch began, not at the save."""
+    """The resumed stream goes on from each slot's position (nothing handed out is read
+    again) and counts each bad sample once: the counts as the epoch began, plus what each slot
+    had met up to its last batch handed out."""
     garbled = 0
     for name in sorted(os.listdir(shards)):
         with tarfile.open(os.path.join(shards, name)) as t:
@@ -176,9 +197,13 @@ def test_a_resumed_stream_counts_each_bad_sample_once(shards, tmp_path, num_work
                 m.size = len(data)
                 t.addfile(m, io.BytesIO(data))
 
+    log = _LogKeys(str(tmp_path / "made"))
+    os.mkdir(log.log_dir)
+
     def make():
-        return fastmm.DataLoader(fastmm.ShardStream(_dataset(str(tmp_path), on_error="skip")),
-                                 batch_size=3, num_workers=num_workers)
+        dataset = _dataset(str(tmp_path), on_error="skip", transform=log)
+        return fastmm.DataLoader(fastmm.ShardStream(dataset), batch_size=3,
+                                 num_workers=num_workers)
 
     whole = make()
     keys = [k for b in whole for k in b["key"]]
@@ -187,8 +212,12 @@ def test_a_resumed_stream_counts_each_bad_sample_once(shards, tmp_path, num_work
     it = iter(loader)
     head = [k for _ in range(4) for k in next(it)["key"]]
     state = json.loads(json.dumps(loader.state_dict()))
+    assert all(s[0] == "iterator" for s in state["worker_streams"])
     del it
+    log.made()
     again = make()
     again.load_state_dict(state)
-    assert head + [k for b in again for k in b["key"]] == keys
+    tail = [k for b in again for k in b["key"]]
+    assert head + tail == keys
     assert again.dataset.dataset.skipped == whole.dataset.dataset.skipped
+    assert sorted(log.made()) == sorted(tail)  # before, the head was made again too

@@ -228,7 +228,7 @@ def test_unwatch_gives_the_loader_back(loader_cls):
     tm = Telemetry()
     watched = tm.watch(loader)
     assert len(watched) == 6 and watched.batch_size == 4
-    assert loader.dataset is not dataset and loader.dataset.dataset is dataset
+    assert loader.dataset is not dataset and loader.dataset._inner is dataset
     tm.unwatch()
     assert loader.dataset is dataset and loader.collate_fn is collate
 

@@ -9,8 +9,9 @@ Messages from the main process (on the worker's index queue):
                                    dataset.epoch if it has set_epoch(), passed on to this copy
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
-  (send_idx, kind, payload, slab_ids_used, new_slabs, rng) with kind one of "data", "error",
-  "end"; rng: the worker's RNG states after the task if it changed them, else None (resume.py);
+  (send_idx, kind, payload, slab_ids_used, new_slabs, rng, stream) with kind one of "data",
+  "error", "end"; rng: the worker's RNG states after the task if it changed them, else None;
+  stream: an IterableDataset's resume.stream_state() after the task (resume.py);
   ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
 """
 
@@ -116,7 +117,7 @@ def worker_loop(
     num_workers,
     shared_seed,
     transport,
-    restore=(None, 0),
+    restore=(None, 0, None),
 ):
     try:
         # Objects inherited from the main process (the dataset's lists, torch's modules) are
@@ -149,15 +150,17 @@ def worker_loop(
         collate.set_writer(writer)
         slab_collate = collate.worker_collate_fn(collate_fn)
 
+        def make_fetcher():
+            return _DatasetKind.create_fetcher(
+                dataset_kind, dataset, auto_collation, slab_collate, drop_last
+            )
+
         init_exception = None
         fetcher = None
         try:
             if init_fn is not None:
                 init_fn(worker_id)
-            fetcher = _DatasetKind.create_fetcher(
-                dataset_kind, dataset, auto_collation, slab_collate, drop_last
-            )
-            _restore(fetcher, *restore)
+            fetcher = _restore(make_fetcher, dataset, *restore)
         except Exception:
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
         rng_watch = resume.RngWatch()
@@ -189,9 +192,7 @@ def worker_loop(
                     dataset = apply_random_seed(dataset, shared_rng)
                 if message[2] is not None:
                     dataset.set_epoch(message[2])
-                fetcher = _DatasetKind.create_fetcher(
-                    dataset_kind, dataset, auto_collation, slab_collate, drop_last
-                )
+                fetcher = make_fetcher()
                 continue
             if done_event.is_set() or iteration_end:
                 continue
@@ -203,6 +204,13 @@ def worker_loop(
                 result = _fetch(fetcher, index, dataset_kind, worker_id)
                 if result[0] == "end":
                     iteration_end = True
+            stream = None
+            if dataset_kind == _DatasetKind.Iterable and result[0] == "data":
+                try:  # as torchdata: a failing state_dict() fails the batch
+                    stream = resume.stream_state(dataset, fetcher)
+                except Exception:
+                    result = ("error", ExceptionWrapper(
+                        where=f"in DataLoader worker process {worker_id}"))
             try:
                 payload = collate.pack(result[1], writer) if result[0] != "end" else None
                 status = result[0]
@@ -213,7 +221,7 @@ def worker_loop(
                 status = "error"
             del result
             used, new = writer.finish()
-            result_conn.send((send_idx, status, payload, used, new, rng_watch.changed()))
+            result_conn.send((send_idx, status, payload, used, new, rng_watch.changed(), stream))
             del payload, message, index
     except KeyboardInterrupt:
         pass
@@ -224,9 +232,11 @@ def worker_loop(
         collate.set_writer(None)
 
 
-def _restore(fetcher, rng_state, skip_items: int) -> None:
-    """A restored worker: drop the IterableDataset samples it had handed out (pulling them
-    again brings its iterator to the same place), then take the RNG states it had then."""
+def _restore(make_fetcher, dataset, rng_state, skip_items: int, stream: tuple | None):
+    """A restored worker's fetcher: its IterableDataset goes on from the stream state it had
+    after its last batch handed out, or pulls and drops the samples it had handed out (which
+    brings a deterministic iterator to the same place); then the RNG states it had then."""
+    fetcher = resume.resumed_fetcher(make_fetcher, dataset, stream)
     for _ in range(skip_items):
         try:
             next(fetcher.dataset_iter)
@@ -235,6 +245,7 @@ def _restore(fetcher, rng_state, skip_items: int) -> None:
             break
     if rng_state is not None:
         resume.apply_rng(rng_state)
+    return fetcher
 
 
 def _fetch(fetcher, index, dataset_kind, worker_id):

@@ -137,13 +137,26 @@ class _Counters(_Shared):
     def __init__(self):
         super().__init__("q", _ROWS * (len(REASONS) + 1))
 
-    def add(self, reason: str, replaced: bool) -> None:
+    @staticmethod
+    def _row() -> slice:
+        """This process's row: the main process's, or its worker's."""
         info = torch.utils.data.get_worker_info()
         row = 0 if info is None else 1 + info.id % (_ROWS - 1)
-        base = row * (len(REASONS) + 1)
-        self._array[base + _column(reason)] += 1
+        width = len(REASONS) + 1
+        return slice(row * width, (row + 1) * width)
+
+    def add(self, reason: str, replaced: bool) -> None:
+        row = self._row()
+        self._array[row.start + _column(reason)] += 1
         if replaced:
-            self._array[base + len(REASONS)] += 1
+            self._array[row.stop - 1] += 1
+
+    def own(self) -> list[int]:
+        """This process's row: its counts by reason, then replaced."""
+        return self._array[self._row()]
+
+    def set_own(self, counts: list[int]) -> None:
+        self._array[self._row()] = [int(n) for n in counts]
 
     def set_totals(self, skipped: dict[str, int], replaced: int) -> None:
         """Start from saved totals (kept in this process's row; the workers' rows cleared)."""

@@ -182,14 +182,16 @@ class _ResumableIter:
             if restore.mid_epoch:  # the sampler tap skips what was handed out
                 progress.batches = restore.batches
                 progress.worker_batches = list(restore.worker_batches)
+                progress.worker_streams = list(restore.worker_streams)
                 progress.last_worker = restore.last_worker
         self._progress = loader.__dict__["_fastmm_progress"] = progress
         self._first_sampler_iter = resume.SamplerTap(loader, progress, restore)
 
     def _note_epoch_start(self) -> None:
-        """Keep an IterableDataset's own state as the epoch begins: a restored loader pulls the
-        samples handed out again, which moves a position the dataset keeps and counts its bad
-        samples again, so the state to restore is this one, not the one at state_dict()."""
+        """Keep an IterableDataset's own state as the epoch begins: a restored loader loads it,
+        then each worker's stream state over it (or pulls the samples handed out again, which
+        would move a position the dataset keeps and count its bad samples twice if the state
+        were the one at state_dict())."""
         if self._dataset_kind == _DatasetKind.Iterable:
             self._progress.dataset_state = resume.dataset_state(self._dataset)
 
@@ -207,14 +209,27 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
         self._sampler_iter = self._first_sampler_iter
         self._note_epoch_start()
         if restore is not None and restore.mid_epoch and self._dataset_kind == _DatasetKind.Iterable:
-            with resume.KeepRng():  # pull and drop what was handed out; its draws were made
-                for _ in range(restore.batches):
-                    self._dataset_fetcher.fetch(next(self._sampler_iter))
+            stream = restore.worker_streams[0]
+            if stream is not None:  # the stream goes on from its own state
+                self._dataset_fetcher = resume.resumed_fetcher(lambda: _DatasetKind.create_fetcher(
+                    self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
+                    self._drop_last), self._dataset, stream)
+            else:
+                with resume.KeepRng():  # pull and drop what was handed out; its draws were made
+                    for _ in range(restore.batches):
+                        self._dataset_fetcher.fetch(next(self._sampler_iter))
 
     def _next_index(self):
         index = super()._next_index()
         self._progress.batches += 1
         return index
+
+    def _next_data(self):
+        data = super()._next_data()
+        if self._dataset_kind == _DatasetKind.Iterable:
+            self._progress.worker_streams[0] = resume.stream_state(
+                self._dataset, self._dataset_fetcher)
+        return data
 
 
 class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
@@ -273,10 +288,13 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         # its slab ids cannot meet those of the batches its predecessor left in the loop's hands
         self._channels = list(range(self._num_workers))
         self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
+        self._last_stream = [None] * self._num_workers  # the same for its stream state
         for worker_id in range(self._num_workers):
             self._start_worker(worker_id, self._worker_resume(worker_id, restore))
         if restore is not None and restore.base_seed is not None:
             self._last_rng = list(restore.worker_rng)
+        if restore is not None and restore.mid_epoch:
+            self._last_stream = list(restore.worker_streams)
         # Held outside the iterator as well: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
@@ -327,8 +345,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         """A new worker in the place of a dead one (on_worker_failure="respawn") or of one
         stuck past the decode deadline (``fault=False``: not counted against its batch), from
         the RNG states after the last batch received from it (an IterableDataset worker also
-        pulls and drops what was received), given the old one's unfinished tasks again, in
-        order."""
+        goes on from its stream state then, or pulls and drops what was received), given the
+        old one's unfinished tasks again, in order."""
         lost = sorted(i for i, info in self._task_info.items()
                       if info[0] == worker_id and len(info) == 1)
         for i in lost if fault else ():
@@ -348,8 +366,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._index_queues[worker_id].close()
         self._ring.forget(self._channels[worker_id])
         self._channels[worker_id] = max(self._channels) + 1
-        self._start_worker(
-            worker_id, (self._last_rng[worker_id], self._samples_in(self._received[worker_id])))
+        stream = self._last_stream[worker_id]
+        skip = 0 if stream is not None else self._samples_in(self._received[worker_id])
+        self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
         self._awaiting_resume.discard(worker_id)
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
         for i in lost:
@@ -379,11 +398,15 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         return [w for w, _ in stuck]
 
     def _worker_resume(self, worker_id: int, restore: resume.Progress | None):
-        """(RNG states to set, IterableDataset samples to drop) for a restored worker."""
+        """(RNG states to set, IterableDataset samples to drop, stream state to go on from)
+        for a restored worker."""
         if restore is None:
-            return None, 0
-        skip = self._samples_in(restore.worker_batches[worker_id]) if restore.mid_epoch else 0
-        return restore.worker_rng[worker_id] if restore.base_seed is not None else None, skip
+            return None, 0, None
+        stream = restore.worker_streams[worker_id] if restore.mid_epoch else None
+        skip = 0
+        if restore.mid_epoch and stream is None:
+            skip = self._samples_in(restore.worker_batches[worker_id])
+        return restore.worker_rng[worker_id] if restore.base_seed is not None else None, skip, stream
 
     def _samples_in(self, batches: int) -> int:
         """IterableDataset samples a worker pulls and drops to get past ``batches`` it made
@@ -402,12 +425,14 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             first_worker = self._progress.first_worker(self._dataset_kind == _DatasetKind.Iterable)
         else:
             self._progress.next_epoch()
+            self._last_stream = [None] * self._num_workers  # the workers' iterators start anew
             loader.__dict__["_fastmm_progress"] = self._progress
             self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
         self._send_idx = 0  # next task to send
         self._rcvd_idx = 0  # next task to return
         self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
         self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
+        self._task_stream: dict[int, tuple] = {}  # idx -> its stream state after the task
         self._task_index: dict[int, object] = {}  # idx -> its indices, until its result comes
         self._task_deaths: dict[int, int] = {}  # idx -> workers that died while it was theirs
         # batches received from each worker this epoch (a restored one had skipped its own)
@@ -510,11 +535,13 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         message = self._result_conns[worker_id].recv()
         if message[0] == "resumed":
             return "resumed", worker_id
-        send_idx, status, payload, used, new, rng = message
+        send_idx, status, payload, used, new, rng, stream = message
         self._received[worker_id] += 1
         self._task_index.pop(send_idx, None)
         if rng is not None:
             self._task_rng[send_idx] = self._last_rng[worker_id] = rng
+        if stream is not None:
+            self._task_stream[send_idx] = self._last_stream[worker_id] = stream
         channel = self._channels[worker_id]
         if new:
             self._ring.receive(channel, self._fd_socks[worker_id], new)
@@ -613,7 +640,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._send_idx += 1
 
     def _process_data(self, data, worker_id: int, idx: int):
-        self._progress.handed_out(worker_id, self._task_rng.pop(idx, None))
+        self._progress.handed_out(worker_id, self._task_rng.pop(idx, None),
+                                  self._task_stream.pop(idx, None))
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, torch._utils.ExceptionWrapper):

@@ -8,8 +8,11 @@ states at the epoch's first draw, how many batches were handed out, the base see
 worker's RNG states after the last batch it handed out. A restored loader replays the sampler from
 those states (leaving the caller's RNGs as they were), skips the batches handed out, and sets each
 worker's RNGs before its first batch; batches that were prefetched but not handed out are made
-again. An IterableDataset has no index to skip to: each worker pulls and drops the samples it had
-handed out (its iterator must be deterministic) before its RNGs are set.
+again. An IterableDataset has no index to skip to. If it (or the iterator it returns) has
+``state_dict()``/``load_state_dict()``, as torchdata's StatefulDataLoader asks of a resumable
+stream, each worker's copy goes on from the state it had after its last batch handed out;
+otherwise each worker pulls and drops the samples it had handed out (its iterator must be
+deterministic). Then the worker's RNG states are set.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import struct
 import zlib
 
 import torch
+from torch.utils.data import IterableDataset
 
 VERSION = 1
 
@@ -192,11 +196,14 @@ class Progress:
     done: bool = False  # the epoch ran out
     worker_rng: list = dataclasses.field(default_factory=list)  # per worker, after its last batch
     worker_batches: list = dataclasses.field(default_factory=list)  # IterableDataset: per worker
+    # IterableDataset: per worker (or the one process) its stream_state() after its last batch
+    worker_streams: list = dataclasses.field(default_factory=list)
     last_worker: int | None = None
 
     def __post_init__(self):
         self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
         self.worker_batches = list(self.worker_batches) or [0] * self.num_workers
+        self.worker_streams = list(self.worker_streams) or [None] * max(1, self.num_workers)
 
     @property
     def mid_epoch(self) -> bool:
@@ -208,13 +215,16 @@ class Progress:
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
         self.batches, self.done = 0, False
         self.worker_batches = [0] * self.num_workers
+        self.worker_streams = [None] * max(1, self.num_workers)
 
-    def handed_out(self, worker_id: int, rng: tuple | None) -> None:
+    def handed_out(self, worker_id: int, rng: tuple | None, stream: tuple | None) -> None:
         self.batches += 1
         self.last_worker = worker_id
         self.worker_batches[worker_id] += 1
         if rng is not None:
             self.worker_rng[worker_id] = rng
+        if stream is not None:
+            self.worker_streams[worker_id] = stream
 
     def first_worker(self, iterable: bool) -> int:
         """The worker the next task goes to, as the round robin of the saved run had it."""
@@ -236,11 +246,47 @@ def dataset_state(dataset):
         return None
 
 
+def _stateful(obj) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
+
+
+def stream_state(dataset, fetcher) -> tuple | None:
+    """Where an IterableDataset's iterator is, from the state it keeps itself: ("iterator",
+    its state_dict()) if the iterator has one, else ("dataset", the dataset's), else None (then
+    a resumed loader pulls and drops the samples handed out); ("ended", None) once the iterator
+    ran out within a batch (it may have reset the state it keeps). A copy: the object goes on."""
+    iterator = fetcher.dataset_iter
+    if not (_stateful(iterator) or _stateful(dataset)):
+        return None
+    if fetcher.ended:
+        return "ended", None
+    if _stateful(iterator):
+        return "iterator", copy.deepcopy(iterator.state_dict())
+    return "dataset", copy.deepcopy(dataset.state_dict())
+
+
+def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
+    """A fetcher made by ``make_fetcher()`` whose iterator goes on from ``stream`` (a
+    stream_state()): the dataset's state is loaded before iter() is called, the iterator's
+    after (torchdata's order)."""
+    kind, state = stream if stream is not None else (None, None)
+    if kind == "dataset":
+        dataset.load_state_dict(state)
+    fetcher = make_fetcher()
+    if kind == "iterator":
+        if not _stateful(fetcher.dataset_iter):
+            raise ValueError("the saved state is of the dataset's iterator, but iter(dataset) "
+                             "now returns one without load_state_dict()")
+        fetcher.dataset_iter.load_state_dict(state)
+    if kind == "ended":
+        fetcher.ended = True
+    return fetcher
+
+
 def _sampler_with_state(loader):
     for sampler in (loader.batch_sampler, loader.sampler):
-        if callable(getattr(sampler, "state_dict", None)) and callable(
-            getattr(sampler, "load_state_dict", None)
-        ):
+        if _stateful(sampler):
             return sampler
     return None
 
@@ -310,8 +356,6 @@ def _world(loader) -> list[int] | None:
 
 def _shape(loader) -> dict:
     """What must not change between saving and restoring mid-epoch."""
-    from torch.utils.data import IterableDataset
-
     iterable = isinstance(loader.dataset, IterableDataset)
     return {
         "kind": "iterable" if iterable else "map",
@@ -358,13 +402,15 @@ def encode(loader, progress: Progress | None) -> dict:
         "workers": [None if s is None or not same_workers else encode_rng(s)
                     for s in p.worker_rng],
         "worker_batches": list(p.worker_batches) if p.mid_epoch else [0] * p.num_workers,
+        "worker_streams": [None if s is None else list(s) for s in p.worker_streams]
+        if p.mid_epoch and isinstance(loader.dataset, IterableDataset) else None,
         "last_worker": p.last_worker if p.mid_epoch else None,
         # the loader's own generator is its state: where it is now, not where the epoch began
         "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
         "sampler_generator": None if own is None else _b64(_state_of(own)),
     }
     # an IterableDataset: its state as the epoch began, as for the sampler; the restored loader
-    # pulls the samples handed out again (a position it keeps, bad samples it counts, twice)
+    # pulls the samples handed out again, or loads each worker's stream state over it
     if p.mid_epoch and p.dataset_state is not None:
         state["dataset"] = p.dataset_state
     else:
@@ -442,6 +488,13 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         p.sampler_state = state["sampler"]
         if now["kind"] == "iterable":
             p.dataset_state = state.get("dataset")
+            streams = state.get("worker_streams")  # states saved before streams were kept lack it
+            if streams is not None:
+                _check(isinstance(streams, list) and len(streams) == max(1, loader.num_workers)
+                       and all(s is None or isinstance(s, (list, tuple)) and len(s) == 2
+                               and s[0] in ("iterator", "dataset", "ended") for s in streams),
+                       "worker_streams")
+                p.worker_streams = [None if s is None else tuple(s) for s in streams]
     else:
         p.done = True
         if _sampler_with_state(loader) is not None:

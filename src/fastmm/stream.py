@@ -28,7 +28,9 @@ class ShardStream(IterableDataset):
 
     Rank and world size: arguments, else torch.distributed, else torchrun's RANK / WORLD_SIZE.
     Call ``set_epoch(epoch)`` before each epoch to reshuffle, as with torch's
-    DistributedSampler; ``fastmm.DataLoader`` passes it on to persistent workers too.
+    DistributedSampler; ``fastmm.DataLoader`` passes it on to persistent workers too. Its
+    iterators keep their place in state_dict(), so a resumed loader goes on from there without
+    reading again what was handed out.
     """
 
     def __init__(self, dataset, *, equal: Literal["pad", "drop"] = "pad", shuffle: bool = True,
@@ -86,23 +88,7 @@ class ShardStream(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         slots, per_slot = self.plan(num_workers)
         indices = [i for shard in slots[self.rank * num_workers + worker] for i in self.shards[shard]]
-        yielded = 0
-        while yielded < per_slot:
-            made = 0
-            for i in indices:
-                item = self.dataset[i]
-                if item is None:  # left out by on_error="skip": the next sample stands in
-                    continue
-                yield item
-                made += 1
-                yielded += 1
-                if yielded == per_slot:
-                    return
-            if not made:
-                raise RuntimeError(
-                    f"every sample of rank {self.rank} worker {worker}'s shards was bad "
-                    f"(counts so far: {self.dataset.skipped})"
-                )
+        return _Slot(self, indices, per_slot, worker)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "dataset": self.dataset.state_dict()}
@@ -110,6 +96,63 @@ class ShardStream(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.dataset.load_state_dict(state["dataset"])
+
+
+class _Slot:
+    """One (rank, worker) slot's samples for an epoch. Its state_dict() is its place in them and
+    the bad samples it met, so a resumed loader goes on from there (fastmm.DataLoader and
+    torchdata's StatefulDataLoader ask the iterator) instead of reading again what was handed
+    out."""
+
+    def __init__(self, stream: ShardStream, indices: list[int], per_slot: int, worker: int):
+        self.stream, self.indices, self.per_slot, self.worker = stream, indices, per_slot, worker
+        self.tried = 0  # samples tried, going round the slot's shards again under "pad"
+        self.yielded = 0
+        self.made = 0  # yielded in this round of the shards: a round with none was all bad
+        self._counters = stream.dataset._counters
+        self._base = self._counters.own()  # this process's counts as the slot began
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        n = len(self.indices)
+        while self.yielded < self.per_slot:
+            if self.tried and self.tried % n == 0:
+                if not self.made:
+                    raise RuntimeError(
+                        f"every sample of rank {self.stream.rank} worker {self.worker}'s shards "
+                        f"was bad (counts so far: {self.stream.dataset.skipped})"
+                    )
+                self.made = 0
+            item = self.stream.dataset[self.indices[self.tried % n]]
+            self.tried += 1
+            if item is None:  # left out by on_error="skip": the next sample stands in
+                continue
+            self.made += 1
+            self.yielded += 1
+            return item
+        raise StopIteration
+
+    def state_dict(self) -> dict:
+        counted = [now - base for now, base in zip(self._counters.own(), self._base)]
+        return {"tried": self.tried, "yielded": self.yielded, "made": self.made,
+                "counted": counted}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state``; the bad samples it counted are added to this process's counts
+        (the loader restored the dataset's counts as the epoch began)."""
+        try:
+            tried, yielded, made = (int(state[k]) for k in ("tried", "yielded", "made"))
+            counted = [int(n) for n in state["counted"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a damaged ShardStream position ({type(e).__name__}: {e})") from None
+        if not (0 <= made <= yielded <= self.per_slot and yielded <= tried
+                and len(counted) == len(self._base) and min(counted) >= 0):
+            raise ValueError(f"a ShardStream position that does not fit this epoch: {state}")
+        self.tried, self.yielded, self.made = tried, yielded, made
+        self._base = self._counters.own()
+        self._counters.set_own([n + c for n, c in zip(self._base, counted)])
 
 
 __all__ = ["ShardStream"]

@@ -193,61 +193,74 @@ class TimedDataset(torch.utils.data.Dataset):
     marks its own samples) and makes stage() marks inside it count."""
 
     def __init__(self, dataset, log: SpanLog):
-        self.dataset, self.log = dataset, log
+        self._inner, self._log = dataset, log  # private names: the user's stay reachable
         self._marks_samples = getattr(dataset, "marks_sample_stage", False)
 
     def __len__(self):
-        return len(self.dataset)
+        return len(self._inner)
 
     def __getitem__(self, index):
-        log = self.log
+        log = self._log
         row = activate(log)
         if self._marks_samples:
-            return self.dataset[index]
+            return self._inner[index]
         start = time.monotonic_ns()
-        item = self.dataset[index]
+        item = self._inner[index]
         log.write(row, _SAMPLE, start, time.monotonic_ns())
         return item
 
     def __getattr__(self, name):  # the user's dataset attributes stay reachable
-        if name in ("dataset", "log", "_marks_samples"):
+        if name in ("_inner", "_log", "_marks_samples"):
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        return getattr(self._inner, name)
 
 
 class TimedBatchDataset(TimedDataset):
     """For datasets with __getitems__ (torch's fetcher calls it for a whole batch)."""
 
     def __getitems__(self, indices):
-        activate(self.log)
-        return self.dataset.__getitems__(indices)
+        activate(self._log)
+        return self._inner.__getitems__(indices)
 
 
 class TimedIterableDataset(torch.utils.data.IterableDataset):
     """An iterable dataset whose every next() is recorded as a "sample" span."""
 
     def __init__(self, dataset, log: SpanLog):
-        self.dataset, self.log = dataset, log
+        self._inner, self._log = dataset, log
 
     def __iter__(self):
-        row = activate(self.log)
-        it = iter(self.dataset)
-        while True:
-            start = time.monotonic_ns()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            self.log.write(row, _SAMPLE, start, time.monotonic_ns())
-            yield item
+        return _TimedIterator(iter(self._inner), self._log, activate(self._log))
 
     def __len__(self):
-        return len(self.dataset)
+        return len(self._inner)
 
     def __getattr__(self, name):
-        if name in ("dataset", "log"):
+        if name in ("_inner", "_log"):
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        return getattr(self._inner, name)
+
+
+class _TimedIterator:
+    """The dataset's iterator, each next() a "sample" span; its own attributes (a resumable
+    stream's state_dict) stay reachable."""
+
+    def __init__(self, it, log: SpanLog, row: int):
+        self._it, self._log, self._row = it, log, row
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.monotonic_ns()
+        item = next(self._it)
+        self._log.write(self._row, _SAMPLE, start, time.monotonic_ns())
+        return item
+
+    def __getattr__(self, name):
+        if name in ("_it", "_log", "_row"):
+            raise AttributeError(name)
+        return getattr(self._it, name)
 
 
 class TimedCollate:
