@@ -79,6 +79,28 @@ class PositionedStream(AugmentedStream):
         self.start = state["pos"]
 
 
+class EpochStream(PositionedStream):
+    """Also counts its own epochs in each copy, advanced as its iterator runs out (as streams
+    that reshuffle without set_epoch() do), and puts the count in its ids."""
+
+    def __init__(self, n: int = 29):
+        super().__init__(n)
+        self.epoch = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            item[0] += 1000 * self.epoch
+            yield item
+        self.epoch += 1
+
+    def state_dict(self):
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.epoch = state["epoch"]
+
+
 def make_loader(num_workers: int = 2) -> fastmm.DataLoader:
     dataset = Augmented()
     sampler = fastmm.DistributedSampler(dataset, seed=3)  # rank and world from the environment

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 import fastmm
 
-from _resume_job import Augmented, AugmentedStream, PositionedStream
+from _resume_job import Augmented, AugmentedStream, EpochStream, PositionedStream
 
 
 class SlowAugmented(Augmented):
@@ -107,6 +107,29 @@ def test_respawn_an_iterable_dataset_worker(stream):
     clean, _ = _run(make, set())
     faulty, _ = _run(make, {1, 4, 6})
     assert faulty == clean
+
+
+def test_respawn_a_persistent_stream_over_two_epochs():
+    """A replacement in the second epoch starts from the dataset copy its predecessor had as
+    the first ran out (here an epoch count), not from the main process's."""
+    def two_epochs(kill: bool):
+        _seed()
+        loader = fastmm.DataLoader(EpochStream(), batch_size=2, num_workers=2,
+                                   persistent_workers=True, on_worker_failure="respawn")
+        out = []
+        for epoch in range(2):
+            it = iter(loader)
+            if kill and epoch == 1:  # before the loop received anything of this epoch
+                os.kill(it._workers[1].pid, signal.SIGKILL)
+            for n, batch in enumerate(it):
+                out.append(batch.tolist())
+                if kill and n in (1, 6):
+                    os.kill(it._workers[n % 2].pid, signal.SIGKILL)
+        return out
+
+    clean = two_epochs(False)
+    assert {row[0] // 1000 for batch in clean for row in batch} == {0, 1}
+    assert two_epochs(True) == clean
 
 
 def test_a_batch_that_keeps_killing_its_worker_is_an_error():

@@ -22,7 +22,7 @@ import torch
 import fastmm
 from fastmm import resume
 
-from _resume_job import Augmented, AugmentedStream, PositionedStream
+from _resume_job import Augmented, AugmentedStream, EpochStream, PositionedStream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPOCHS = 2
@@ -157,6 +157,22 @@ def test_resume_a_stream_that_keeps_its_own_position(num_workers):
         return fastmm.DataLoader(PositionedStream(), batch_size=3, num_workers=num_workers)
 
     _check_resume_everywhere(make, lambda n: [0, 1, 3, n - 1, n, n + 1])
+
+
+@pytest.mark.parametrize("config", [dict(num_workers=0), dict(num_workers=2),
+                                    dict(num_workers=2, persistent_workers=True)],
+                         ids=["no workers", "2 workers", "2 persistent workers"])
+def test_resume_a_stream_whose_copies_count_their_epochs(config):
+    """Persistent workers' copies carry their state into the next epoch: a state saved between
+    epochs, or early in the next, keeps each worker's count (torchdata's TestMultiEpochState)."""
+    def make():
+        return fastmm.DataLoader(EpochStream(), batch_size=3, **config)
+
+    _seed_main(0)
+    ids = {row[0] // 1000 for batch in _batches(make()) for row in batch}
+    assert ids == ({0, 1} if config.get("persistent_workers") or not config["num_workers"]
+                   else {0})
+    _check_resume_everywhere(make, lambda n: [1, n - 1, n, n + 1, n + 2, 2 * n - 1])
 
 
 class LoggedIterator:
@@ -452,9 +468,12 @@ class StateAfterIter(AugmentedStream):
 
 
 def test_a_stream_whose_state_needs_iterating_still_loads_with_workers():
-    """The state noted as each epoch begins is taken only if the stream can give it then: with
-    workers, the main process's copy never iterates, and iter() must not fail on it."""
+    """With workers, the main process's copy of a stream never iterates: iter() must not fail
+    on asking it for its state as the epoch begins, nor state_dict() later (torchdata's
+    TestStateInitializationDataset). Without workers, its error is its own."""
     loader = fastmm.DataLoader(StateAfterIter(), batch_size=3, num_workers=2)
     assert len([b for b in loader]) == 12
+    assert loader.state_dict()["dataset"] is None
+    loader = fastmm.DataLoader(StateAfterIter(), batch_size=3, num_workers=0)
     with pytest.raises(AttributeError):
-        loader.state_dict()  # asked at state_dict(), as before: the error is the stream's own
+        loader.state_dict()

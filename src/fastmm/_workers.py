@@ -211,6 +211,11 @@ def worker_loop(
                 except Exception:
                     result = ("error", ExceptionWrapper(
                         where=f"in DataLoader worker process {worker_id}"))
+            elif result[0] == "end":
+                try:  # what this worker's copy carries into its next epoch, if it persists
+                    stream = resume.stream_state(dataset, fetcher, ran_out=True)
+                except Exception:
+                    pass  # it failed after every batch: its error was raised there
             try:
                 payload = collate.pack(result[1], writer) if result[0] != "end" else None
                 status = result[0]

@@ -184,6 +184,8 @@ class _ResumableIter:
                 progress.worker_batches = list(restore.worker_batches)
                 progress.worker_streams = list(restore.worker_streams)
                 progress.last_worker = restore.last_worker
+            elif restore.base_seed is not None:  # the same persistent workers, a new epoch
+                progress.worker_streams = resume.carried_streams(restore.worker_streams)
         self._progress = loader.__dict__["_fastmm_progress"] = progress
         self._first_sampler_iter = resume.SamplerTap(loader, progress, restore)
 
@@ -288,13 +290,12 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         # its slab ids cannot meet those of the batches its predecessor left in the loop's hands
         self._channels = list(range(self._num_workers))
         self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
-        self._last_stream = [None] * self._num_workers  # the same for its stream state
+        self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
         for worker_id in range(self._num_workers):
             self._start_worker(worker_id, self._worker_resume(worker_id, restore))
         if restore is not None and restore.base_seed is not None:
             self._last_rng = list(restore.worker_rng)
-        if restore is not None and restore.mid_epoch:
-            self._last_stream = list(restore.worker_streams)
+        self._last_stream = list(self._progress.worker_streams)
         # Held outside the iterator as well: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
@@ -402,11 +403,12 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         for a restored worker."""
         if restore is None:
             return None, 0, None
-        stream = restore.worker_streams[worker_id] if restore.mid_epoch else None
+        rng = restore.worker_rng[worker_id] if restore.base_seed is not None else None
+        stream = self._progress.worker_streams[worker_id]  # (between epochs: carried over)
         skip = 0
         if restore.mid_epoch and stream is None:
             skip = self._samples_in(restore.worker_batches[worker_id])
-        return restore.worker_rng[worker_id] if restore.base_seed is not None else None, skip, stream
+        return rng, skip, stream
 
     def _samples_in(self, batches: int) -> int:
         """IterableDataset samples a worker pulls and drops to get past ``batches`` it made
@@ -425,7 +427,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             first_worker = self._progress.first_worker(self._dataset_kind == _DatasetKind.Iterable)
         else:
             self._progress.next_epoch()
-            self._last_stream = [None] * self._num_workers  # the workers' iterators start anew
+            self._last_stream = list(self._progress.worker_streams)  # a respawn starts there
+            self._end_stream = [None] * self._num_workers
             loader.__dict__["_fastmm_progress"] = self._progress
             self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
         self._send_idx = 0  # next task to send
@@ -540,7 +543,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._task_index.pop(send_idx, None)
         if rng is not None:
             self._task_rng[send_idx] = self._last_rng[worker_id] = rng
-        if stream is not None:
+        if stream is not None and status == "end":
+            self._end_stream[worker_id] = self._last_stream[worker_id] = stream
+        elif stream is not None:
             self._task_stream[send_idx] = self._last_stream[worker_id] = stream
         channel = self._channels[worker_id]
         if new:
@@ -578,6 +583,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                self._progress.worker_streams = list(self._end_stream)  # for the next epoch
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration

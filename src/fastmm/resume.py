@@ -215,7 +215,7 @@ class Progress:
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
         self.batches, self.done = 0, False
         self.worker_batches = [0] * self.num_workers
-        self.worker_streams = [None] * max(1, self.num_workers)
+        self.worker_streams = carried_streams(self.worker_streams)
 
     def handed_out(self, worker_id: int, rng: tuple | None, stream: tuple | None) -> None:
         self.batches += 1
@@ -251,19 +251,28 @@ def _stateful(obj) -> bool:
         getattr(obj, "load_state_dict", None))
 
 
-def stream_state(dataset, fetcher) -> tuple | None:
+def stream_state(dataset, fetcher, ran_out: bool = False) -> tuple | None:
     """Where an IterableDataset's iterator is, from the state it keeps itself: ("iterator",
     its state_dict()) if the iterator has one, else ("dataset", the dataset's), else None (then
-    a resumed loader pulls and drops the samples handed out); ("ended", None) once the iterator
-    ran out within a batch (it may have reset the state it keeps). A copy: the object goes on."""
+    a resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
+    a batch, or ``ran_out``): ("ended", the dataset's state, which a persistent worker's copy
+    carries into the next epoch, or None where the iterator kept the state). A copy: the
+    objects go on."""
     iterator = fetcher.dataset_iter
     if not (_stateful(iterator) or _stateful(dataset)):
         return None
-    if fetcher.ended:
-        return "ended", None
+    if ran_out or fetcher.ended:
+        return "ended", None if _stateful(iterator) else copy.deepcopy(dataset.state_dict())
     if _stateful(iterator):
         return "iterator", copy.deepcopy(iterator.state_dict())
     return "dataset", copy.deepcopy(dataset.state_dict())
+
+
+def carried_streams(streams: list) -> list:
+    """The stream states persistent workers start an epoch from: a worker whose iterator ran
+    out goes on with the dataset copy it had then (an epoch count it keeps, say)."""
+    return [("dataset", s[1]) if s is not None and s[0] == "ended" and s[1] is not None
+            else None for s in streams]
 
 
 def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
@@ -271,7 +280,7 @@ def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
     stream_state()): the dataset's state is loaded before iter() is called, the iterator's
     after (torchdata's order)."""
     kind, state = stream if stream is not None else (None, None)
-    if kind == "dataset":
+    if kind in ("dataset", "ended") and state is not None:
         dataset.load_state_dict(state)
     fetcher = make_fetcher()
     if kind == "iterator":
@@ -402,8 +411,11 @@ def encode(loader, progress: Progress | None) -> dict:
         "workers": [None if s is None or not same_workers else encode_rng(s)
                     for s in p.worker_rng],
         "worker_batches": list(p.worker_batches) if p.mid_epoch else [0] * p.num_workers,
+        # an IterableDataset's: mid-epoch, after each worker's last batch; between epochs,
+        # persistent workers' dataset copies as their epoch ran out
         "worker_streams": [None if s is None else list(s) for s in p.worker_streams]
-        if p.mid_epoch and isinstance(loader.dataset, IterableDataset) else None,
+        if isinstance(loader.dataset, IterableDataset) and (p.mid_epoch or same_workers)
+        else None,
         "last_worker": p.last_worker if p.mid_epoch else None,
         # the loader's own generator is its state: where it is now, not where the epoch began
         "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
@@ -413,6 +425,10 @@ def encode(loader, progress: Progress | None) -> dict:
     # pulls the samples handed out again, or loads each worker's stream state over it
     if p.mid_epoch and p.dataset_state is not None:
         state["dataset"] = p.dataset_state
+    elif isinstance(loader.dataset, IterableDataset) and loader.num_workers > 0:
+        # the workers iterate copies and keep their states; this one, never iterated, may have
+        # none to give (torchdata does not ask it)
+        state["dataset"] = dataset_state(loader.dataset)
     else:
         dataset_state_dict = getattr(loader.dataset, "state_dict", None)
         state["dataset"] = dataset_state_dict() if callable(dataset_state_dict) else None
@@ -488,17 +504,17 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         p.sampler_state = state["sampler"]
         if now["kind"] == "iterable":
             p.dataset_state = state.get("dataset")
-            streams = state.get("worker_streams")  # states saved before streams were kept lack it
-            if streams is not None:
-                _check(isinstance(streams, list) and len(streams) == max(1, loader.num_workers)
-                       and all(s is None or isinstance(s, (list, tuple)) and len(s) == 2
-                               and s[0] in ("iterator", "dataset", "ended") for s in streams),
-                       "worker_streams")
-                p.worker_streams = [None if s is None else tuple(s) for s in streams]
     else:
         p.done = True
         if _sampler_with_state(loader) is not None:
             sampler_state = state["sampler"]
+    streams = state.get("worker_streams")  # states saved before streams were kept lack it
+    if streams is not None and now["kind"] == "iterable" and (mid_epoch or same_workers):
+        _check(isinstance(streams, list) and len(streams) == max(1, loader.num_workers)
+               and all(s is None or isinstance(s, (list, tuple)) and len(s) == 2
+                       and s[0] in ("iterator", "dataset", "ended") for s in streams),
+               "worker_streams")
+        p.worker_streams = [None if s is None else tuple(s) for s in streams]
     # the generators' states now (a mid-epoch replay then sets the sampler's own from the epoch's)
     generator_states = [(g, _torch_state(state[key])) for g, key in (
         (loader.generator, "generator"), (sampler_generator(loader), "sampler_generator"))
