@@ -175,6 +175,53 @@ def test_resume_a_stream_whose_copies_count_their_epochs(config):
     _check_resume_everywhere(make, lambda n: [1, n - 1, n, n + 1, n + 2, 2 * n - 1])
 
 
+class DrawingIterator:
+    """Draws from torch's global RNG and keeps that RNG's state in its own state, as
+    torchdata's DummyIterator with a generator does."""
+
+    def __init__(self):
+        self.k = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.k == 12:
+            raise StopIteration
+        self.k += 1
+        return torch.randint(0, 10**6, ()).item()
+
+    def state_dict(self):
+        return {"k": self.k, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        self.k = state["k"]
+        torch.set_rng_state(state["rng"])
+
+
+class DrawingStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return DrawingIterator()
+
+
+@pytest.mark.parametrize("stop", [0, 2])
+def test_a_stream_keeping_the_rng_state_resumes_even_before_its_first_batch(stop):
+    """Without workers the stream's state is taken as its iterator is made, too: saved
+    before any batch, the restored stream still puts back the RNG state its draws start from
+    (torchdata's test_random_state)."""
+    torch.manual_seed(0)
+    loader = fastmm.DataLoader(DrawingStream(), batch_size=3)
+    it = iter(loader)
+    for _ in range(stop):
+        next(it)
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    torch.manual_seed(99)  # the caller's RNG is elsewhere now; the stream's state puts it back
+    again = fastmm.DataLoader(DrawingStream(), batch_size=3)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == rest and len(rest) == 4 - stop
+
+
 class LoggedIterator:
     """An iterator with its own state_dict(), as torchdata's resumable iterators have, that
     notes every id it makes in a file of its process."""

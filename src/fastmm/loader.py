@@ -220,6 +220,13 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
                 with resume.KeepRng():  # pull and drop what was handed out; its draws were made
                     for _ in range(restore.batches):
                         self._dataset_fetcher.fetch(next(self._sampler_iter))
+        elif self._dataset_kind == _DatasetKind.Iterable:
+            # the state before the first batch: a stream may keep the caller's RNG state in it
+            try:
+                self._progress.worker_streams[0] = resume.stream_state(
+                    self._dataset, self._dataset_fetcher)
+            except Exception:
+                pass  # one whose state exists only once iterated: asked after each batch
 
     def _next_index(self):
         index = super()._next_index()
