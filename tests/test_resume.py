@@ -355,11 +355,63 @@ def test_a_state_at_an_epoch_boundary_moves_to_another_worker_count():
     assert tail != full[len(head):]  # other workers, other draws: it really changed layout
 
 
-def test_state_dict_needs_in_order():
-    loader = fastmm.DataLoader(Augmented(), batch_size=4, num_workers=2, in_order=False)
-    next(iter(loader))
-    with pytest.raises(ValueError, match="in_order=True"):
-        loader.state_dict()
+class SlowAt(Augmented):
+    """Item ``slow`` takes a while, so batches after it come back before it (in_order=False)."""
+
+    def __init__(self, slow: int, n: int = 37):
+        super().__init__(n)
+        self.slow = slow
+
+    def __getitem__(self, i):
+        if i == self.slow:
+            time.sleep(0.4)
+        return super().__getitem__(i)
+
+
+def _ids(batches) -> list[int]:
+    return [row[0] for batch in batches for row in batch]
+
+
+@pytest.mark.parametrize("stop", [1, 3, 6])
+def test_out_of_order_batches_resume_each_sample_once(stop):
+    """in_order=False: the batches handed out ahead of a slow one are remembered, so the
+    resumed loader yields the rest, each sample once; saved and resumed again, the same
+    (torchdata's TestOutOfOrderWithCheckpointing)."""
+    def make():
+        return fastmm.DataLoader(SlowAt(0), batch_size=2, num_workers=2, in_order=False)
+
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(stop)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert 0 not in _ids(head) and state["ahead"]  # batch 0 is still on its way
+    del it
+    again = make()
+    again.load_state_dict(state)
+    it = iter(again)
+    middle = [next(it).tolist()]
+    state = json.loads(json.dumps(again.state_dict()))
+    del it
+    third = make()
+    third.load_state_dict(state)
+    tail = [b.tolist() for b in third]
+    assert sorted(_ids(head + middle + tail)) == list(range(37))
+
+
+@pytest.mark.parametrize("stream", [AugmentedStream, PositionedStream])
+def test_out_of_order_streams_resume_each_sample_once(stream):
+    def make():
+        return fastmm.DataLoader(stream(), batch_size=3, num_workers=2, in_order=False)
+
+    every = sorted(_ids(b.tolist() for b in make()))
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(4)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    again = make()
+    again.load_state_dict(state)
+    assert sorted(_ids(head + [b.tolist() for b in again])) == every
 
 
 def test_a_state_from_something_else_is_refused():

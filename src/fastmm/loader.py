@@ -116,7 +116,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def state_dict(self) -> dict:
         """Where the loader is in its epoch, as a small JSON-serialisable dict: a new loader
         given it by ``load_state_dict`` yields exactly the batches this one would yield next
-        (same samples, order and augmentation draws). Needs ``in_order=True``."""
+        (same samples, order and augmentation draws). With ``in_order=False``: the samples
+        not handed out yet, each once, in the order the workers finish them."""
         return resume.encode(self, self.__dict__.get("_fastmm_progress"))
 
     def load_state_dict(self, state: dict) -> None:
@@ -180,7 +181,7 @@ class _ResumableIter:
             if restore.base_seed is not None:
                 progress.worker_rng = list(restore.worker_rng)
             if restore.mid_epoch:  # the sampler tap skips what was handed out
-                progress.batches = restore.batches
+                progress.batches, progress.ahead = restore.batches, set(restore.ahead)
                 progress.worker_batches = list(restore.worker_batches)
                 progress.worker_streams = list(restore.worker_streams)
                 progress.last_worker = restore.last_worker
@@ -443,6 +444,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
         self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
         self._task_stream: dict[int, tuple] = {}  # idx -> its stream state after the task
+        self._task_position: dict[int, int] = {}  # idx -> its batch's place in the epoch's order
         self._task_index: dict[int, object] = {}  # idx -> its indices, until its result comes
         self._task_deaths: dict[int, int] = {}  # idx -> workers that died while it was theirs
         # batches received from each worker this epoch (a restored one had skipped its own)
@@ -648,13 +650,14 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         )
         self._task_info[self._send_idx] = (worker_id,)
         self._task_index[self._send_idx] = index
+        self._task_position[self._send_idx] = self._sampler_iter.position
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
 
     def _process_data(self, data, worker_id: int, idx: int):
         self._progress.handed_out(worker_id, self._task_rng.pop(idx, None),
-                                  self._task_stream.pop(idx, None))
+                                  self._task_stream.pop(idx, None), self._task_position.pop(idx, None))
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, torch._utils.ExceptionWrapper):

@@ -12,7 +12,9 @@ again. An IterableDataset has no index to skip to. If it (or the iterator it ret
 ``state_dict()``/``load_state_dict()``, as torchdata's StatefulDataLoader asks of a resumable
 stream, each worker's copy goes on from the state it had after its last batch handed out;
 otherwise each worker pulls and drops the samples it had handed out (its iterator must be
-deterministic). Then the worker's RNG states are set.
+deterministic). Then the worker's RNG states are set. With ``in_order=False`` the state also
+lists the batches handed out ahead of the first one still missing (by their place in the
+sampler's order); the restored loader yields the rest, each once, in whatever order.
 """
 
 from __future__ import annotations
@@ -193,6 +195,9 @@ class Progress:
     sampler_state: dict | None = None  # the sampler's own state_dict() then, if it has one
     dataset_state: object = None  # an IterableDataset's own state_dict() then
     batches: int = 0  # handed out (or raised) this epoch
+    # in_order=False: positions (in the sampler's order) handed out ahead of the first not yet
+    # handed out; the batches before it number batches - len(ahead)
+    ahead: set = dataclasses.field(default_factory=set)
     done: bool = False  # the epoch ran out
     worker_rng: list = dataclasses.field(default_factory=list)  # per worker, after its last batch
     worker_batches: list = dataclasses.field(default_factory=list)  # IterableDataset: per worker
@@ -213,12 +218,22 @@ class Progress:
     def next_epoch(self) -> None:
         """A persistent iterator's next epoch: the workers and their RNGs carry on."""
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
-        self.batches, self.done = 0, False
+        self.batches, self.done, self.ahead = 0, False, set()
         self.worker_batches = [0] * self.num_workers
         self.worker_streams = carried_streams(self.worker_streams)
 
-    def handed_out(self, worker_id: int, rng: tuple | None, stream: tuple | None) -> None:
+    def handed_out(self, worker_id: int, rng: tuple | None, stream: tuple | None,
+                   position: int | None = None) -> None:
+        """A batch handed out; ``position``: its place in the sampler's order, where batches
+        may come back out of it (in_order=False)."""
+        first_missing = self.batches - len(self.ahead)
         self.batches += 1
+        if position is not None and position != first_missing:
+            self.ahead.add(position)
+        else:
+            while first_missing + 1 in self.ahead:  # they follow on now
+                first_missing += 1
+                self.ahead.discard(first_missing)
         self.last_worker = worker_id
         self.worker_batches[worker_id] += 1
         if rng is not None:
@@ -303,7 +318,8 @@ def _sampler_with_state(loader):
 class SamplerTap:
     """The epoch's index-sampler iterator. At the first draw it records what the order depends
     on (generator states, the sampler's own state), or, restoring, replays a recorded epoch from
-    them and skips the batches already handed out."""
+    them and skips the batches already handed out. ``position``: the place of the batch it
+    gave last in the epoch's order."""
 
     def __init__(self, loader, progress: Progress, replay: Progress | None):
         # not the loader itself: a persistent iterator would close a reference cycle through it
@@ -315,6 +331,7 @@ class SamplerTap:
         # an epoch whose first index was not drawn yet draws it live, as it would have
         self._replay = replay if replay is not None and replay.sampler_rng is not None else None
         self._it = None
+        self.position = -1
 
     def __iter__(self):
         return self
@@ -322,27 +339,30 @@ class SamplerTap:
     def __next__(self):
         if self._it is None:
             self._start()
-        return next(self._it)
+        self.position, batch = next(self._it)
+        return batch
 
     def _start(self) -> None:
         p, replay, sampler, generator = self._progress, self._replay, self._sampler, self._generator
         if replay is None:
             p.sampler_state = sampler.state_dict() if sampler is not None else None
             p.sampler_rng = _generator_states(generator, self._own_generator)
-            self._it = iter(self._index_sampler)
+            self._it = enumerate(iter(self._index_sampler))
             return
         p.sampler_rng, p.sampler_state = replay.sampler_rng, replay.sampler_state
+        first_missing, ahead = replay.batches - len(replay.ahead), replay.ahead
         with KeepRng(generator):  # the sampler's own generator goes on from the epoch's draws
             _set_generator_states(replay.sampler_rng, generator, self._own_generator)
             if sampler is not None and replay.sampler_state is not None:
                 sampler.load_state_dict(replay.sampler_state)
-            it = iter(self._index_sampler)
-            first = _END
-            for _ in range(replay.batches + 1):  # the skipped batches, and the first one after
-                first = next(it, _END)
-                if first is _END:
+            it = enumerate(iter(self._index_sampler))
+            for first in it:  # the batches handed out, up to the first one that was not
+                if first[0] >= first_missing and first[0] not in ahead:
                     break
-        self._it = iter(()) if first is _END else _chain(first, it)
+            else:
+                first = _END
+        self._it = iter(()) if first is _END else _chain(
+            first, (b for b in it if b[0] not in ahead))
 
 
 _END = object()
@@ -384,11 +404,6 @@ def _len_or_none(dataset) -> int | None:
 
 
 def encode(loader, progress: Progress | None) -> dict:
-    if loader.num_workers > 0 and not loader.in_order:
-        raise ValueError(
-            "state_dict() needs in_order=True: with in_order=False the order of batches depends "
-            "on which worker finishes first, so no saved state can promise the same batches"
-        )
     p = progress or Progress(loader.num_workers, done=True)
     sampler, own = _sampler_with_state(loader), sampler_generator(loader)
     # the workers that make the next batch: this iterator's, or (between epochs) fresh ones
@@ -399,6 +414,7 @@ def encode(loader, progress: Progress | None) -> dict:
         "persistent_workers": loader.persistent_workers,
         "epoch_done": not p.mid_epoch,
         "batches": p.batches if p.mid_epoch else 0,
+        "ahead": sorted(p.ahead) if p.mid_epoch else [],
         "base_seed": p.base_seed if same_workers else None,
         "sampler_rng": None if p.sampler_rng is None or not p.mid_epoch else {
             "torch": _b64(p.sampler_rng[0]),
@@ -474,8 +490,6 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
                 "reordered, or other augmentation draws). Resume with the same settings, or "
                 "from a state saved at an epoch boundary."
             )
-        if loader.num_workers > 0 and not loader.in_order:
-            raise ValueError("resuming mid-epoch needs in_order=True")
     elif state["kind"] != now["kind"]:
         raise ValueError(f"the state is for a {state['kind']}-style dataset, this loader has a "
                          f"{now['kind']}-style one")
@@ -490,8 +504,11 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
     sampler_state = None
     if mid_epoch:
         p.batches = state["batches"]
+        p.ahead = set(state.get("ahead", ()))  # states saved before in_order=False lack it
         p.worker_batches = list(state["worker_batches"])
         p.last_worker = state["last_worker"]
+        _check(_count(p.batches) and all(map(_count, p.ahead)) and len(p.ahead) <= p.batches
+               and all(a > p.batches - len(p.ahead) for a in p.ahead), "ahead")
         _check(_count(p.batches) and len(p.worker_batches) == loader.num_workers
                and all(map(_count, p.worker_batches)) and sum(p.worker_batches) <= p.batches
                and (p.last_worker is None or _count(p.last_worker)
