@@ -373,3 +373,20 @@ def test_pipelines_quick_run_records_every_repetition(tmp_path):
     assert {"fastmm (torchcodec) / torch + PyAV",
             "fastmm (torchcodec) / fastmm, every frame decoded"} <= set(ratios)
     assert "fastmm, exact (pil) / fastmm" not in result["cases"]["image"]["ratios_over_baselines"]
+
+
+def test_resume_cost_quick_run_times_both_ways(tmp_path):
+    """python -m fastmm.bench.resume_cost end to end, small: both ways timed at the stop, with
+    their paired ratio (no figure is asserted: timings belong to the benchmark)."""
+    from fastmm.bench import resume_cost
+
+    out = tmp_path / "out"
+    assert resume_cost.main(["--quick", "--out", str(out), "--cache-dir",
+                             str(tmp_path / "cache")]) == 0
+    result = json.loads((out / "resume_cost.json").read_text())
+    assert result["shards"] >= 2 and result["stops"] == [result["batches_per_epoch"] // 2]
+    stop = result["stops"][0]
+    for way in resume_cost.WAYS:
+        assert result["first_batch_s"][f"{way} @ {stop}"]["reps"][0] > 0
+    assert result["pulled_over_own"][str(stop)]["median"] > 0
+    assert "ratio" in (out / "resume_cost.md").read_text()
