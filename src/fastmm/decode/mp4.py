@@ -286,8 +286,8 @@ def _slim_clip(data: bytes, track: Track, wanted: list[int]) -> Slim | None:
     if dropped == 0:
         return None
     moov = _slim_moov(data, track, keep)
-    moov_at = track.moov[0]
-    slim = b"".join((data[:moov_at + 4], b"free", data[moov_at + 8:], moov))
+    moov_at, view = track.moov[0], memoryview(data)  # slices of a view: one copy, in join
+    slim = b"".join((view[:moov_at + 4], b"free", view[moov_at + 8:], moov))
     kept_pts = track.pts[keep]
     rank = np.argsort(np.argsort(kept_pts, kind="stable"), kind="stable")
     new_index = np.cumsum(keep) - 1  # sample number in the slim file, decode order
