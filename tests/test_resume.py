@@ -222,6 +222,21 @@ def test_a_stream_keeping_the_rng_state_resumes_even_before_its_first_batch(stop
     assert [b.tolist() for b in again] == rest and len(rest) == 4 - stop
 
 
+class UnpicklableStateStream(PositionedStream):
+    def state_dict(self):
+        return {"pos": self.pos, "hook": lambda: None}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stream_state_that_cannot_travel_fails_its_batch(num_workers):
+    """A state_dict() that cannot be pickled is an error in the loop, with the stream's own
+    message, as one that raises is (torchdata's rule); the worker does not die of it."""
+    loader = fastmm.DataLoader(UnpicklableStateStream(), batch_size=3, num_workers=num_workers)
+    with pytest.raises(Exception, match="pickle") as caught:
+        next(iter(loader))
+    assert "exited unexpectedly" not in str(caught.value)
+
+
 class LoggedIterator:
     """An iterator with its own state_dict(), as torchdata's resumable iterators have, that
     notes every id it makes in a file of its process."""

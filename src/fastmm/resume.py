@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import pickle
 import random
 import struct
 import zlib
@@ -271,16 +272,21 @@ def stream_state(dataset, fetcher, ran_out: bool = False) -> tuple | None:
     its state_dict()) if the iterator has one, else ("dataset", the dataset's), else None (then
     a resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
     a batch, or ``ran_out``): ("ended", the dataset's state, which a persistent worker's copy
-    carries into the next epoch, or None where the iterator kept the state). A copy: the
-    objects go on."""
+    carries into the next epoch, or None where the iterator kept the state). A copy made
+    through pickle, as it travels between processes: a state that cannot raises here, in the
+    batch it came with."""
     iterator = fetcher.dataset_iter
     if not (_stateful(iterator) or _stateful(dataset)):
         return None
     if ran_out or fetcher.ended:
-        return "ended", None if _stateful(iterator) else copy.deepcopy(dataset.state_dict())
+        return "ended", None if _stateful(iterator) else _copy(dataset.state_dict())
     if _stateful(iterator):
-        return "iterator", copy.deepcopy(iterator.state_dict())
-    return "dataset", copy.deepcopy(dataset.state_dict())
+        return "iterator", _copy(iterator.state_dict())
+    return "dataset", _copy(dataset.state_dict())
+
+
+def _copy(state):
+    return pickle.loads(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def carried_streams(streams: list) -> list:
