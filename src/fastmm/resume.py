@@ -272,9 +272,9 @@ def stream_state(dataset, fetcher, ran_out: bool = False) -> tuple | None:
     its state_dict()) if the iterator has one, else ("dataset", the dataset's), else None (then
     a resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
     a batch, or ``ran_out``): ("ended", the dataset's state, which a persistent worker's copy
-    carries into the next epoch, or None where the iterator kept the state). A copy made
-    through pickle, as it travels between processes: a state that cannot raises here, in the
-    batch it came with."""
+    carries into the next epoch, or None where the iterator kept the state). A copy; a state
+    that cannot be pickled (to travel between processes) raises here, in the batch it came
+    with."""
     iterator = fetcher.dataset_iter
     if not (_stateful(iterator) or _stateful(dataset)):
         return None
@@ -286,7 +286,8 @@ def stream_state(dataset, fetcher, ran_out: bool = False) -> tuple | None:
 
 
 def _copy(state):
-    return pickle.loads(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+    pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)  # it must travel; nothing is loaded
+    return copy.deepcopy(state)
 
 
 def carried_streams(streams: list) -> list:
