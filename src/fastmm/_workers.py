@@ -207,13 +207,13 @@ def worker_loop(
             stream = None
             if dataset_kind == _DatasetKind.Iterable and result[0] == "data":
                 try:  # as torchdata: a failing state_dict() fails the batch
-                    stream = resume.stream_state(dataset, fetcher)
+                    stream = resume.stream_state(dataset, fetcher, sent=True)
                 except Exception:
                     result = ("error", ExceptionWrapper(
                         where=f"in DataLoader worker process {worker_id}"))
             elif result[0] == "end":
                 try:  # what this worker's copy carries into its next epoch, if it persists
-                    stream = resume.stream_state(dataset, fetcher, ran_out=True)
+                    stream = resume.stream_state(dataset, fetcher, ran_out=True, sent=True)
                 except Exception:
                     pass  # it failed after every batch: its error was raised there
             try:

@@ -212,6 +212,11 @@ class Progress:
         self.worker_streams = list(self.worker_streams) or [None] * max(1, self.num_workers)
 
     @property
+    def first_missing(self) -> int:
+        """The place of the first batch not handed out yet; the ones before it all were."""
+        return self.batches - len(self.ahead)
+
+    @property
     def mid_epoch(self) -> bool:
         """An iterator of this epoch exists (its base seed and maybe its order are drawn)."""
         return not self.done
@@ -227,7 +232,7 @@ class Progress:
                    position: int | None = None) -> None:
         """A batch handed out; ``position``: its place in the sampler's order, where batches
         may come back out of it (in_order=False)."""
-        first_missing = self.batches - len(self.ahead)
+        first_missing = self.first_missing
         self.batches += 1
         if position is not None and position != first_missing:
             self.ahead.add(position)
@@ -267,27 +272,28 @@ def _stateful(obj) -> bool:
         getattr(obj, "load_state_dict", None))
 
 
-def stream_state(dataset, fetcher, ran_out: bool = False) -> tuple | None:
+def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
+                 ) -> tuple | None:
     """Where an IterableDataset's iterator is, from the state it keeps itself: ("iterator",
     its state_dict()) if the iterator has one, else ("dataset", the dataset's), else None (then
     a resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
     a batch, or ``ran_out``): ("ended", the dataset's state, which a persistent worker's copy
-    carries into the next epoch, or None where the iterator kept the state). A copy; a state
-    that cannot be pickled (to travel between processes) raises here, in the batch it came
-    with."""
+    carries into the next epoch, or None where the iterator kept the state). A copy, or with
+    ``sent`` (a worker pickles it into its message at once) the state itself; either way a
+    state that cannot be pickled, to travel between processes, raises here, in the batch it
+    came with."""
+    def copied(state):
+        pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)  # it must travel; nothing is loaded
+        return state if sent else copy.deepcopy(state)
+
     iterator = fetcher.dataset_iter
     if not (_stateful(iterator) or _stateful(dataset)):
         return None
     if ran_out or fetcher.ended:
-        return "ended", None if _stateful(iterator) else _copy(dataset.state_dict())
+        return "ended", None if _stateful(iterator) else copied(dataset.state_dict())
     if _stateful(iterator):
-        return "iterator", _copy(iterator.state_dict())
-    return "dataset", _copy(dataset.state_dict())
-
-
-def _copy(state):
-    pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)  # it must travel; nothing is loaded
-    return copy.deepcopy(state)
+        return "iterator", copied(iterator.state_dict())
+    return "dataset", copied(dataset.state_dict())
 
 
 def carried_streams(streams: list) -> list:
@@ -357,7 +363,7 @@ class SamplerTap:
             self._it = enumerate(iter(self._index_sampler))
             return
         p.sampler_rng, p.sampler_state = replay.sampler_rng, replay.sampler_state
-        first_missing, ahead = replay.batches - len(replay.ahead), replay.ahead
+        first_missing, ahead = replay.first_missing, replay.ahead
         with KeepRng(generator):  # the sampler's own generator goes on from the epoch's draws
             _set_generator_states(replay.sampler_rng, generator, self._own_generator)
             if sampler is not None and replay.sampler_state is not None:
@@ -515,7 +521,7 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         p.worker_batches = list(state["worker_batches"])
         p.last_worker = state["last_worker"]
         _check(_count(p.batches) and all(map(_count, p.ahead)) and len(p.ahead) <= p.batches
-               and all(a > p.batches - len(p.ahead) for a in p.ahead), "ahead")
+               and all(a > p.first_missing for a in p.ahead), "ahead")
         _check(_count(p.batches) and len(p.worker_batches) == loader.num_workers
                and all(map(_count, p.worker_batches)) and sum(p.worker_batches) <= p.batches
                and (p.last_worker is None or _count(p.last_worker)
