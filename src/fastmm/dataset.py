@@ -106,6 +106,17 @@ class ResizedCrop:
         return (height - h) // 2, (width - w) // 2, h, w
 
 
+def _row_of(worker_id: int | None, rows: int) -> int:
+    """A process's row in a shared table: the main process's, then one per worker (shared by
+    worker ids beyond ``rows - 1``)."""
+    return 0 if worker_id is None else 1 + worker_id % (rows - 1)
+
+
+def _this_worker() -> int | None:
+    info = torch.utils.data.get_worker_info()
+    return None if info is None else info.id
+
+
 def _column(reason: str) -> int:
     return REASONS.index(reason) if reason in REASONS else REASONS.index("other")
 
@@ -140,8 +151,7 @@ class _Counters(_Shared):
     @staticmethod
     def _row() -> slice:
         """This process's row: the main process's, or its worker's."""
-        info = torch.utils.data.get_worker_info()
-        row = 0 if info is None else 1 + info.id % (_ROWS - 1)
+        row = _row_of(_this_worker(), _ROWS)
         width = len(REASONS) + 1
         return slice(row * width, (row + 1) * width)
 
@@ -189,17 +199,15 @@ class SampleWatch(_Shared):
         self._known = (0, frozenset())
 
     def _row(self, worker_id: int | None) -> int:
-        return 0 if worker_id is None else 1 + worker_id % (self.ROWS - 1)
+        return _row_of(worker_id, self.ROWS)
 
     def begin(self, item: int) -> None:
-        info = torch.utils.data.get_worker_info()
-        row = self._row(None if info is None else info.id)
+        row = self._row(_this_worker())
         self._array[self.ROWS + row] = item
         self._array[row] = time.monotonic()  # CLOCK_MONOTONIC: one clock for all processes
 
     def end(self) -> None:
-        info = torch.utils.data.get_worker_info()
-        self._array[self._row(None if info is None else info.id)] = 0.0
+        self._array[self._row(_this_worker())] = 0.0
 
     def overdue(self, worker_ids) -> list[tuple[int, int]]:
         """(worker id, item) for each listed worker on one sample longer than the deadline."""

@@ -224,8 +224,7 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
         elif self._dataset_kind == _DatasetKind.Iterable:
             # the state before the first batch: a stream may keep the caller's RNG state in it
             try:
-                self._progress.worker_streams[0] = resume.stream_state(
-                    self._dataset, self._dataset_fetcher)
+                self._note_stream()
             except Exception:
                 pass  # one whose state exists only once iterated: asked after each batch
 
@@ -237,9 +236,11 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
     def _next_data(self):
         data = super()._next_data()
         if self._dataset_kind == _DatasetKind.Iterable:
-            self._progress.worker_streams[0] = resume.stream_state(
-                self._dataset, self._dataset_fetcher)
+            self._note_stream()
         return data
+
+    def _note_stream(self) -> None:
+        self._progress.worker_streams[0] = resume.stream_state(self._dataset, self._dataset_fetcher)
 
 
 class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
