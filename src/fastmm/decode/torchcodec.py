@@ -4,8 +4,8 @@ and images through torchcodec's own image decoders.
 Clip caps are checked from the container metadata (frame count and size) before any frame is
 decoded. On the CPU, an H.264 or HEVC MP4 is first slimmed (``mp4.slim_clip``): the frames the
 clip's frames don't need (non-reference ones it does not return, and all after its last) are
-left out before FFmpeg sees them, with the same pixels. The CUDA (NVDEC) path is torchcodec's ``device=`` argument and is NOT tested here:
-it needs a check on a GPU machine.
+left out before FFmpeg sees them, with the same pixels. The CUDA (NVDEC) path is torchcodec's
+``device=`` argument and is NOT tested here: it needs a check on a GPU machine.
 """
 
 from __future__ import annotations
