@@ -140,6 +140,55 @@ def test_shard_stream_with_a_stuck_sample(corpus):
     assert run(StuckOn(stuck), DEADLINE) == run(CorruptOn(stuck), None)
 
 
+class CorruptThenStuck(PilDecoder):
+    """Some keys plainly damaged, others stuck: a replaced worker had counted the damaged ones
+    of the batch it was on, and its replacement meets them again."""
+
+    def __init__(self, corrupt, stuck):
+        super().__init__()
+        self.corrupt, self.stuck = CorruptOn(corrupt), StuckOn(stuck)
+
+    def decode_resized_crop(self, data, plan, *, key="", reduce=False):
+        decoder = self.corrupt if key in self.corrupt.keys else self.stuck
+        return decoder.decode_resized_crop(data, plan, key=key, reduce=reduce)
+
+
+@pytest.mark.timeout(120)
+def test_a_replaced_worker_counts_each_bad_sample_once(corpus, transport):
+    """A damaged sample in the batch a worker was stuck on is counted once, not once by the
+    worker and again by its replacement (the loader puts the worker's counts back to its last
+    batch received)."""
+    keys = _item_keys(_dataset(corpus, PilDecoder(), "raise", deadline=None))
+    # batch 1 (items 4-7) goes to worker 1: a damaged item, then a stuck one
+    data = _dataset(corpus, CorruptThenStuck([keys[1], keys[4]], [keys[5]]), "skip")
+    got = [k for b in fastmm.DataLoader(data, batch_size=4, num_workers=2) for k in b["key"]]
+    assert got == [k for k in keys if k not in (keys[1], keys[4], keys[5])]
+    assert data.skipped == {"corrupt": 2, "deadline": 1}
+
+
+@pytest.mark.timeout(120)
+def test_a_replaced_stream_worker_counts_each_bad_sample_once(corpus):
+    """The same for a ShardStream worker, whose iterator also keeps what it counted (for a
+    resumed loader): one damaged sample in a batch it handed out, one in the batch it was stuck
+    on."""
+    stream = ShardStream(_dataset(corpus, PilDecoder(), "skip", "shards", None), shuffle=False)
+    slots, _ = stream.plan(2)
+    slot = [i for shard in slots[0] for i in stream.shards[shard]]  # worker 0's, in order
+    keys = _item_keys(stream.dataset)
+    corrupt, stuck = [keys[slot[1]], keys[slot[5]]], [keys[slot[6]]]
+
+    def run(decoder, deadline):
+        data = _dataset(corpus, decoder, "skip", "shards", deadline)
+        loader = fastmm.DataLoader(ShardStream(data, shuffle=False), batch_size=4, num_workers=2)
+        return [k for b in loader for k in b["key"]], data.skipped
+
+    got, skipped = run(CorruptThenStuck(corrupt, stuck), DEADLINE)
+    want, want_skipped = run(CorruptOn(corrupt + stuck), None)
+    # counted per read: a slot going round its shards again ("pad") meets them again
+    assert got == want and skipped["deadline"] >= 1
+    assert sum(skipped.values()) == want_skipped["corrupt"] >= 3
+
+
 def test_without_worker_processes_the_deadline_warns(corpus):
     data = _dataset(corpus, PilDecoder(), "raise")
     with pytest.warns(FastmmWarning, match="num_workers > 0"):

@@ -9,9 +9,10 @@ Messages from the main process (on the worker's index queue):
                                    dataset.epoch if it has set_epoch(), passed on to this copy
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
-  (send_idx, kind, payload, slab_ids_used, new_slabs, rng, stream) with kind one of "data",
-  "error", "end"; rng: the worker's RNG states after the task if it changed them, else None;
-  stream: an IterableDataset's resume.stream_state() after the task (resume.py);
+  (send_idx, kind, payload, slab_ids_used, new_slabs, rng, stream, counts) with kind one of
+  "data", "error", "end"; rng: the worker's RNG states after the task if it changed them, else
+  None; stream: an IterableDataset's resume.stream_state() after the task (resume.py); counts:
+  its row of the dataset's skip counts (dataset.skip_counters) if the task changed it;
   ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
 """
 
@@ -32,6 +33,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.graph_settings import apply_random_seed
 
 from . import collate, resume
+from .dataset import skip_counters
 from .slabs import IDLE_WORKER_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
@@ -163,7 +165,9 @@ def worker_loop(
             fetcher = _restore(make_fetcher, dataset, *restore)
         except Exception:
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
-        rng_watch = resume.RngWatch()
+        rng_watch = resume.Watch(resume.capture_rng)
+        counters = skip_counters(dataset)
+        counts_watch = resume.Watch(lambda: None if counters is None else counters.row(worker_id))
 
         iteration_end = False
         idle_timeout = IDLE_WORKER_S
@@ -226,7 +230,8 @@ def worker_loop(
                 status = "error"
             del result
             used, new = writer.finish()
-            result_conn.send((send_idx, status, payload, used, new, rng_watch.changed(), stream))
+            result_conn.send((send_idx, status, payload, used, new, rng_watch.changed(), stream,
+                              counts_watch.changed()))
             del payload, message, index
     except KeyboardInterrupt:
         pass

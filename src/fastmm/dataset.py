@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing.context
-import multiprocessing.sharedctypes
 import time
 import warnings
 from collections import deque
@@ -29,6 +27,7 @@ import torch
 import torch.utils.data
 
 from . import config
+from ._shared import SharedArray, row_of, this_worker
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
 from .errors import FastmmWarning
@@ -45,7 +44,6 @@ REASONS = (
     "truncated", "unreadable", "unsafe_name", "bad_name", "bad_header", "not_a_file",
     "duplicate_member", "bad_manifest", "size", "checksum", "deadline", "other",
 )
-_ROWS = 65  # one counter row for the main process and each of up to 64 workers (then shared)
 log = logging.getLogger("fastmm")
 
 
@@ -106,67 +104,37 @@ class ResizedCrop:
         return (height - h) // 2, (width - w) // 2, h, w
 
 
-def _row_of(worker_id: int | None, rows: int) -> int:
-    """A process's row in a shared table: the main process's, then one per worker (shared by
-    worker ids beyond ``rows - 1``)."""
-    return 0 if worker_id is None else 1 + worker_id % (rows - 1)
-
-
-def _this_worker() -> int | None:
-    info = torch.utils.data.get_worker_info()
-    return None if info is None else info.id
-
-
 def _column(reason: str) -> int:
     return REASONS.index(reason) if reason in REASONS else REASONS.index("other")
 
 
-class _Shared:
-    """An array in shared memory that worker processes inherit as they start (fork or spawn);
-    pickled at any other time, the copy gets a fresh array of its own."""
-
-    def __init__(self, typecode: str, size: int):
-        self._spec = (typecode, size)
-        self._array = multiprocessing.sharedctypes.RawArray(typecode, size)
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        if multiprocessing.context.get_spawning_popen() is None:
-            state["_array"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        if self._array is None:
-            self._array = multiprocessing.sharedctypes.RawArray(*self._spec)
-
-
-class _Counters(_Shared):
+class _Counters(SharedArray):
     """Skip and replace counts by reason, one row per process so no increment is lost without
     a lock."""
 
-    def __init__(self):
-        super().__init__("q", _ROWS * (len(REASONS) + 1))
+    ROWS = 65  # the main process, then a row per worker (shared beyond 64 workers)
 
-    @staticmethod
-    def _row() -> slice:
-        """This process's row: the main process's, or its worker's."""
-        row = _row_of(_this_worker(), _ROWS)
+    def __init__(self):
+        super().__init__("q", self.ROWS * (len(REASONS) + 1))
+
+    def _row(self, worker_id: int | None) -> slice:
+        row = row_of(worker_id, self.ROWS)
         width = len(REASONS) + 1
         return slice(row * width, (row + 1) * width)
 
     def add(self, reason: str, replaced: bool) -> None:
-        row = self._row()
+        row = self._row(this_worker())
         self._array[row.start + _column(reason)] += 1
         if replaced:
             self._array[row.stop - 1] += 1
 
-    def own(self) -> list[int]:
-        """This process's row: its counts by reason, then replaced."""
-        return self._array[self._row()]
+    def row(self, worker_id: int | None) -> list[int]:
+        """A process's counts (``worker_id`` None: the main process's) by reason, then
+        replaced."""
+        return self._array[self._row(worker_id)]
 
-    def set_own(self, counts: list[int]) -> None:
-        self._array[self._row()] = [int(n) for n in counts]
+    def set_row(self, worker_id: int | None, counts: list[int]) -> None:
+        self._array[self._row(worker_id)] = [int(n) for n in counts]
 
     def set_totals(self, skipped: dict[str, int], replaced: int) -> None:
         """Start from saved totals (kept in this process's row; the workers' rows cleared)."""
@@ -179,11 +147,29 @@ class _Counters(_Shared):
 
     def totals(self) -> tuple[dict[str, int], int]:
         width = len(REASONS) + 1
-        sums = [sum(self._array[r * width + c] for r in range(_ROWS)) for c in range(width)]
+        sums = [sum(self._array[r * width + c] for r in range(self.ROWS)) for c in range(width)]
         return {r: n for r, n in zip(REASONS, sums) if n}, sums[-1]
 
 
-class SampleWatch(_Shared):
+def wrapped(dataset, name: str):
+    """``dataset``'s attribute ``name``, or that of a dataset it wraps (Subset, ShardStream)."""
+    for _ in range(4):
+        found = getattr(dataset, name, None)
+        if found is not None or not hasattr(dataset, "dataset"):
+            return found
+        dataset = dataset.dataset
+    return None
+
+
+def skip_counters(dataset) -> _Counters | None:
+    """The skip counts of the MultimodalDataset ``dataset`` is or wraps. A worker sends its row
+    with each batch, so that a loader replacing it can put the row back to its last batch
+    received: the replacement makes the rest again, and counts what it meets again."""
+    counters = wrapped(dataset, "_counters")
+    return counters if isinstance(counters, _Counters) else None
+
+
+class SampleWatch(SharedArray):
     """The decode deadline: which sample each worker process is on and since when, so that
     fastmm.DataLoader can replace a worker stuck on one past ``deadline`` seconds (a decoder
     stuck in C cannot be interrupted from inside its process); and the samples that were, so
@@ -199,15 +185,15 @@ class SampleWatch(_Shared):
         self._known = (0, frozenset())
 
     def _row(self, worker_id: int | None) -> int:
-        return _row_of(worker_id, self.ROWS)
+        return row_of(worker_id, self.ROWS)
 
     def begin(self, item: int) -> None:
-        row = self._row(_this_worker())
+        row = self._row(this_worker())
         self._array[self.ROWS + row] = item
         self._array[row] = time.monotonic()  # CLOCK_MONOTONIC: one clock for all processes
 
     def end(self) -> None:
-        self._array[self._row(_this_worker())] = 0.0
+        self._array[self._row(this_worker())] = 0.0
 
     def overdue(self, worker_ids) -> list[tuple[int, int]]:
         """(worker id, item) for each listed worker on one sample longer than the deadline."""

@@ -39,6 +39,7 @@ from torch.utils.data.dataloader import (
 from . import collate, resume
 from ._workers import StopFlag, worker_loop
 from .config import TelemetryConfig, TransportConfig
+from .dataset import skip_counters, wrapped
 from .slabs import SlabRing
 from .telemetry import Telemetry
 
@@ -141,16 +142,6 @@ def _exported(tm: Telemetry, watched, directory: str):
 def _check_cuda(status, what: str) -> None:
     if int(status) != 0:
         raise RuntimeError(f"fastmm: {what} failed with CUDA error {int(status)} ({status})")
-
-
-def _sample_watch(dataset):
-    """The decode deadline's watch of the dataset, or of one it wraps (Subset, ShardStream)."""
-    for _ in range(4):
-        watch = getattr(dataset, "sample_watch", None)
-        if watch is not None or not hasattr(dataset, "dataset"):
-            return watch
-        dataset = dataset.dataset
-    return None
 
 
 def _signal_name(exitcode: int | None) -> str:
@@ -285,7 +276,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._workers_done_event = StopFlag(context)
         self._context, self._transport = context, transport
         self._respawn = loader.on_worker_failure == "respawn"
-        self._watch = _sample_watch(self._dataset)  # a decode deadline to hold workers to
+        self._watch = wrapped(self._dataset, "sample_watch")  # a decode deadline to hold workers to
         if self._watch is not None:
             self._watch.watched = True
         self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
@@ -300,6 +291,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._channels = list(range(self._num_workers))
         self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
         self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
+        self._counters = skip_counters(self._dataset)
+        self._last_counts = [None] * self._num_workers  # its row of them, after that batch
         for worker_id in range(self._num_workers):
             self._start_worker(worker_id, self._worker_resume(worker_id, restore))
         if restore is not None and restore.base_seed is not None:
@@ -343,6 +336,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             name=f"fastmm-worker-{worker_id}",
             daemon=True,
         )
+        if self._counters is not None:
+            self._last_counts[worker_id] = self._counters.row(worker_id)
         process.start()
         result_send.close()
         fd_worker.close()
@@ -376,6 +371,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._index_queues[worker_id].close()
         self._ring.forget(self._channels[worker_id])
         self._channels[worker_id] = max(self._channels) + 1
+        if self._counters is not None and self._num_workers < self._counters.ROWS:
+            # what it counted in tasks whose batches were lost, the replacement counts again
+            self._counters.set_row(worker_id, self._last_counts[worker_id])
         stream = self._last_stream[worker_id]
         skip = 0 if stream is not None else self._samples_in(self._received[worker_id])
         self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
@@ -548,8 +546,10 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         message = self._result_conns[worker_id].recv()
         if message[0] == "resumed":
             return "resumed", worker_id
-        send_idx, status, payload, used, new, rng, stream = message
+        send_idx, status, payload, used, new, rng, stream, counts = message
         self._received[worker_id] += 1
+        if counts is not None:
+            self._last_counts[worker_id] = counts
         self._task_index.pop(send_idx, None)
         if rng is not None:
             self._task_rng[send_idx] = self._last_rng[worker_id] = rng

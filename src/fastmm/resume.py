@@ -59,14 +59,16 @@ def apply_rng(state: tuple) -> None:
         np.random.set_state(("MT19937", np.frombuffer(key, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-class RngWatch:
-    """A worker's RNG states, sent with a batch only when the batch changed them."""
+class Watch:
+    """A value a worker sends with a batch only when the batch changed it: its RNG states
+    (``read`` = capture_rng), its row of skip counts."""
 
-    def __init__(self):
-        self.last = capture_rng()
+    def __init__(self, read):
+        self._read = read
+        self.last = read()
 
-    def changed(self) -> tuple | None:
-        now = capture_rng()
+    def changed(self):
+        now = self._read()
         if now == self.last:
             return None
         self.last = now

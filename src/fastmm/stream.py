@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ._shared import this_worker
 from .config import DistConfig
 
 
@@ -110,7 +111,7 @@ class _Slot:
         self.yielded = 0
         self.made = 0  # yielded in this round of the shards: a round with none was all bad
         self._counters = stream.dataset._counters
-        self._base = self._counters.own()  # this process's counts as the slot began
+        self._base = self._counts()  # this process's counts as the slot began
 
     def __iter__(self):
         return self
@@ -134,14 +135,18 @@ class _Slot:
             return item
         raise StopIteration
 
+    def _counts(self) -> list[int]:
+        return self._counters.row(this_worker())
+
     def state_dict(self) -> dict:
-        counted = [now - base for now, base in zip(self._counters.own(), self._base)]
+        now = self._counts()
         return {"tried": self.tried, "yielded": self.yielded, "made": self.made,
-                "counted": counted}
+                "counted": [n - base for n, base in zip(now, self._base)], "row": now}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from ``state``; the bad samples it counted are added to this process's counts
-        (the loader restored the dataset's counts as the epoch began)."""
+        (the loader restored the dataset's counts as the epoch began), unless they are there:
+        fastmm.DataLoader puts a replaced worker's counts back to its last batch received."""
         try:
             tried, yielded, made = (int(state[k]) for k in ("tried", "yielded", "made"))
             counted = [int(n) for n in state["counted"]]
@@ -151,8 +156,11 @@ class _Slot:
                 and len(counted) == len(self._base) and min(counted) >= 0):
             raise ValueError(f"a ShardStream position that does not fit this epoch: {state}")
         self.tried, self.yielded, self.made = tried, yielded, made
-        self._base = self._counters.own()
-        self._counters.set_own([n + c for n, c in zip(self._base, counted)])
+        now = self._counts()
+        if now != state.get("row"):
+            now = [n + c for n, c in zip(now, counted)]
+            self._counters.set_row(this_worker(), now)
+        self._base = [n - c for n, c in zip(now, counted)]
 
 
 __all__ = ["ShardStream"]

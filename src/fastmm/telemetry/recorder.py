@@ -17,6 +17,8 @@ import time
 import numpy as np
 import torch
 
+from .._shared import row_of, this_worker
+
 STAGES = ("sample", "read", "decode", "augment", "collate")
 _CODE = {name: i for i, name in enumerate(STAGES)}
 _SAMPLE, _COLLATE = _CODE["sample"], _CODE["collate"]
@@ -121,8 +123,7 @@ def activate(log: SpanLog) -> int:
     """Make ``log`` this process's span log; returns the row this process writes."""
     global _active
     if _active is None or _active[0] is not log:
-        info = torch.utils.data.get_worker_info()
-        row = 0 if info is None else 1 + info.id % (log.rows - 1)
+        row = row_of(this_worker(), log.rows)
         _active = (log, row)
         if row:  # the main process's reads are published by the session
             log.note_reads(row, first=True)
