@@ -10,7 +10,7 @@ pytest.importorskip("torchvision")
 
 
 def test_sharded_storage_study_under_torchrun(tmp_path):
-    """Study 3, quick: every layout runs as a real 2-rank torchrun job with equal batch counts."""
+    """Study 3, quick: every layout runs in a real 2-rank torchrun job with equal batch counts."""
     from fastmm.bench import study_shards
 
     out = tmp_path / "out"
@@ -29,5 +29,6 @@ def test_sharded_storage_study_under_torchrun(tmp_path):
     files = result["results"]["files / world 2"]["vs_files"]
     assert files["min"] == files["max"] == 1.0
     assert result["results"]["staged / world 2"]["staging_s"]["median"] >= 0
+    assert result["process_ready_s"]["world 2"] > 0  # one job per world size: started once
     table = (out / "shards.md").read_text()
-    assert "vs files" in table and "1.00x [1.00-1.00]" in table
+    assert "vs files" in table and "1.00x [1.00-1.00]" in table and " s at world 2 " in table

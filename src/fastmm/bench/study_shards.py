@@ -7,15 +7,18 @@ seed 0), batch and workers are the same. Every rank all-reduces each step, as tr
 Reported per layout and world size, over ``--reps`` repetitions run interleaved (every
 configuration once per round): per-rank throughput (median over ranks) with its median and 95%
 CI over the repetitions, its ratio to the file-per-sample layout at the same world size (paired
-by round), the slowest rank against the fastest, startup (process start to the first batch,
-opening the layout included), staging cost where staged, and whether every rank yielded the same
-number of batches. Run: ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a
+by round), the slowest rank against the fastest, startup (opening the layout to its first batch),
+staging cost where staged, and whether every rank yielded the same number of batches. One
+torchrun job per world size reads every round's layouts in turn, the ranks starting each layout
+together; its processes' start (imports and rendezvous, the same for every layout) is reported
+once. Run: ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a
 smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -31,35 +34,63 @@ from .pipelines import SIZE, ensure_mmcorpus
 from .report import save
 
 
-def rank_job(layout: str, root: str, out: str, batch: int, workers: int, epochs: int) -> None:
-    """One rank of the job (run by torchrun): open the layout, read its share, write figures."""
-    started = time.perf_counter()
+def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None:
+    """One rank of a world size's job (run by torchrun): a warm-up, then every (round, layout)
+    of ``plan`` in turn, the ranks starting each together; writes this rank's figures."""
+    import psutil
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ready = time.time() - psutil.Process().create_time()  # imports and the group's rendezvous
+    figures = {"rank": rank, "world": world, "ready_s": ready, "runs": []}
+    runs = json.load(open(plan))
+    rep, name, path = runs[0]  # a warm-up, not recorded: the first layout read pays the imports
+    read_layout(name, path, os.path.join(out, "stage-warm-up"), batch, workers, 1)
+    for done, (rep, name, path) in enumerate(runs, 1):
+        dist.barrier()
+        run = {"rep": rep, "layout": name,
+               **read_layout(name, path, os.path.join(out, f"stage-{rep}"), batch, workers,
+                             epochs)}
+        figures["runs"].append(run)
+        if rank == 0:
+            print(f"[shards] world {world}: {done}/{len(runs)} round {rep + 1} {name}: "
+                  f"{run['epochs'][-1]['samples_per_s']:.1f} samples/s on rank 0",
+                  file=sys.stderr, flush=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(figures, f)
+    dist.destroy_process_group()
+
+
+def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
+                epochs: int) -> dict:
+    """This rank's share of a layout, ``epochs`` times: its figures per epoch (the first
+    batch's time counted from opening the layout), and the staging cost where staged."""
     import torch
     import torch.distributed as dist
 
     import fastmm
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    kind = {"files": "posix", "staged": "staged"}.get(layout, "shards")
+    opened = time.perf_counter()
+    kind = {"files": "posix", "staged": "staged"}.get(name, "shards")
     source = None
     if kind == "staged":  # one staging directory for the node: ranks stage each shard once
         from ..sources import StagedSource
 
-        source = StagedSource(root, os.path.join(out, "stage"), inner="shards")
+        source = StagedSource(root, stage_dir, inner="shards")
     dataset = fastmm.MultimodalDataset(root if source is None else None, source=source or kind,
                                        decoder="torchvision", reduce=True, size=SIZE,
                                        modality="image", transform=lambda item: item["image"])
     sampler = fastmm.DistributedSampler(dataset, seed=0)
     loader = fastmm.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers)
-    figures = {"rank": rank, "world": world, "epochs": []}
+    figures = {"epochs": []}
     for epoch in range(epochs):
         t0, n, batches, first = time.perf_counter(), 0, 0, None
         for images in loader:
             total = torch.ones(1)
             dist.all_reduce(total)
             if first is None:
-                first = time.perf_counter() - (started if epoch == 0 else t0)
+                first = time.perf_counter() - (opened if epoch == 0 else t0)
             n += len(images)
             batches += 1
         seconds = time.perf_counter() - t0
@@ -67,9 +98,7 @@ def rank_job(layout: str, root: str, out: str, batch: int, workers: int, epochs:
                                   "samples_per_s": n / seconds, "first_batch_s": first})
     if source is not None:
         figures["staging_cost"] = source.staging_cost
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(figures, f)
-    dist.destroy_process_group()
+    return figures
 
 
 def layouts(root: str, work: str, shard_sizes: list[int]) -> dict[str, str]:
@@ -89,28 +118,43 @@ def layouts(root: str, work: str, shard_sizes: list[int]) -> dict[str, str]:
     return out
 
 
-def run_job(name: str, path: str, world: int, work: str, args) -> dict:
-    """One torchrun job of a layout at a world size: its ranks' figures, condensed."""
-    out = os.path.join(work, f"{name}-{world}")
+def run_job(plan: list, world: int, work: str, args) -> dict:
+    """One torchrun job at a world size that reads every (round, layout) of ``plan`` in turn:
+    {(round, layout): its figures condensed over the ranks}, or {"error": ...}. One job, not
+    one per layout and round: starting torch in every rank costs more than reading this corpus
+    (the process start, the same for every layout, is reported once)."""
+    out = os.path.join(work, f"world-{world}")
     os.makedirs(out)
+    with open(os.path.join(out, "plan.json"), "w") as f:
+        json.dump(plan, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world}", "-m", "fastmm.bench.study_shards", "--rank-job",
-           name, path, out, str(args.batch), str(args.num_workers), str(args.epochs)]
-    code = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True)
-    if code.returncode != 0:
-        return {"error": code.stderr[-2000:]}
+           os.path.join(out, "plan.json"), out, str(args.batch), str(args.num_workers),
+           str(args.epochs)]
+    tail = collections.deque(maxlen=40)
+    with subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as job:
+        for line in job.stderr:  # rank 0's progress through, the rest kept for an error
+            if line.startswith("[shards]"):
+                print(line, end="", file=sys.stderr, flush=True)
+            else:
+                tail.append(line)
+    if job.returncode != 0:
+        return {"error": "".join(tail)[-2000:]}
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
-    rates = [r["epochs"][-1]["samples_per_s"] for r in ranks]
-    figures = {
-        "rate": stats.summarize(rates)["median"],
-        "slowest_over_fastest": min(rates) / max(rates),
-        "startup_s": stats.summarize([r["epochs"][0]["first_batch_s"] for r in ranks])["median"],
-        "equal_batches": len({e["batches"] for r in ranks for e in r["epochs"]}) == 1,
-        "batches_per_epoch": ranks[0]["epochs"][-1]["batches"],
-    }
-    if "staging_cost" in ranks[0]:
-        figures["staging_s"] = max(r["staging_cost"]["seconds"] for r in ranks)
+    figures = {"ready_s": stats.summarize([r["ready_s"] for r in ranks])["median"]}
+    for i, (rep, name, _) in enumerate(plan):
+        runs = [r["runs"][i] for r in ranks]
+        rates = [r["epochs"][-1]["samples_per_s"] for r in runs]
+        figures[rep, name] = {
+            "rate": stats.summarize(rates)["median"],
+            "slowest_over_fastest": min(rates) / max(rates),
+            "startup_s": stats.summarize([r["epochs"][0]["first_batch_s"] for r in runs])["median"],
+            "equal_batches": len({e["batches"] for r in runs for e in r["epochs"]}) == 1,
+            "batches_per_epoch": runs[0]["epochs"][-1]["batches"],
+        }
+        if "staging_cost" in runs[0]:
+            figures[rep, name]["staging_s"] = max(r["staging_cost"]["seconds"] for r in runs)
     return figures
 
 
@@ -141,20 +185,22 @@ def run(args) -> dict:
                            args.cache_dir)
     work = tempfile.mkdtemp(prefix="fastmm-shards-", dir=args.work_dir)
     runs: dict[str, list] = {}
+    ready: dict[str, float] = {}
     try:
         where = layouts(root, work, args.shard_bytes)
-        total = len(where) * len(args.worlds) * args.reps
-        done = 0
-        for rep in range(args.reps):  # interleaved: every configuration once per round
-            for world in args.worlds:
-                for name, path in where.items():
-                    figures = run_job(name, path, world, os.path.join(work, f"run-{rep}"), args)
-                    runs.setdefault(f"{name} / world {world}", []).append(figures)
-                    done += 1
-                    print(f"[shards] {done}/{total} round {rep + 1} {name} world {world}: "
-                          + ("FAILED" if "error" in figures else
-                             f"{figures['rate']:.1f} samples/s per rank"),
-                          file=sys.stderr, flush=True)
+        names = list(where)
+        # interleaved: every layout once per round, each round starting one layout later
+        plan = [(rep, name, where[name]) for rep in range(args.reps)
+                for name in names[rep % len(names):] + names[:rep % len(names)]]
+        for world in args.worlds:
+            figures = run_job(plan, world, work, args)
+            if "ready_s" in figures:
+                ready[f"world {world}"] = figures["ready_s"]
+            for name in names:
+                runs[f"{name} / world {world}"] = [figures.get((rep, name), figures)
+                                                   for rep in range(args.reps)]
+            if "error" in figures:
+                print(f"[shards] world {world}: FAILED", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = {key: summarize_runs(key, figs, runs) for key, figs in runs.items()}
@@ -162,7 +208,8 @@ def run(args) -> dict:
                                        loader_config={"batch_size": args.batch,
                                                       "num_workers": args.num_workers},
                                        paths=[args.work_dir or tempfile.gettempdir()]),
-            "images": args.images, "epochs": args.epochs, "reps": args.reps, "results": results}
+            "images": args.images, "epochs": args.epochs, "reps": args.reps,
+            "process_ready_s": ready, "results": results}
 
 
 def report(result: dict) -> str:
@@ -172,7 +219,11 @@ def report(result: dict) -> str:
              f"{e['cpu_count_usable']} cores (every rank of every world size shares them).", "",
              f"{result['images']} images; figures from the last of {result['epochs']} epochs "
              f"(startup from the first); {result.get('reps', 1)} repetitions, interleaved; "
-             "median [95% CI] over them.", "",
+             "median [95% CI] over them. Startup: opening the layout to its first batch; "
+             "before that, each world size's ranks took "
+             + (", ".join(f"{s:.1f} s at {w}" for w, s in result.get("process_ready_s", {}).items())
+                or "-")
+             + " from process start to a ready process group (imports, rendezvous).", "",
              "| layout / world | samples/s per rank | vs files | slowest / fastest | "
              "startup s | staging s | equal batches |", "|---|---|---|---|---|---|---|"]
 
@@ -195,8 +246,8 @@ def report(result: dict) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--rank-job":
-        name, path, out, batch, workers, epochs = argv[1:7]
-        rank_job(name, path, out, int(batch), int(workers), int(epochs))
+        plan, out, batch, workers, epochs = argv[1:6]
+        rank_job(plan, out, int(batch), int(workers), int(epochs))
         return 0
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_shards", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

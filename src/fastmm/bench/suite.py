@@ -10,8 +10,8 @@ index at the end. Parts (each its own process, its own environment record and re
 4. ``gpu-decode``: study 2, decode in the CPU workers or on the GPU next to a model step (its
    GPU arms only where CUDA is);
 5. ``shards``: study 3, a file per sample against 1 MB tar shards and those shards staged,
-   5 interleaved rounds of real torchrun (gloo) jobs at world size 2 (world 4 too when the
-   study runs on its own: ``python -m fastmm.bench.study_shards``).
+   5 interleaved rounds in real torchrun (gloo) jobs at world size 2 and 4 (8 and 64 MB shards
+   too when the study runs on its own: ``python -m fastmm.bench.study_shards``).
 
 Run:
 ``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a minute or two).
@@ -40,13 +40,12 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
     # included: 568 s on 2026-12-01, a day this machine ran a Python loop 2-4x slower than
     # usual (724 s on a better day with the loader's decode-b256 case and 400 staged images).
     # Each part's own default run is fuller: both decode batch sizes, 400 images to stage,
-    # world 4 and three shard sizes.
+    # three shard sizes.
     loader = ["--quick"] if quick else ["--reps", "3", "--mem-reps", "1", "--min-seconds", "2",
                                         "--num-images", "600", "--decode-batch-sizes", "32"]
     staging = ["--quick"] if quick else ["--images", "240"]
     gpu_decode = ["--quick"] if quick else []
-    shards = ["--quick"] if quick else ["--worlds", "2", "--images", "160",
-                                        "--shard-bytes", "1000000"]
+    shards = ["--quick"] if quick else ["--images", "160", "--shard-bytes", "1000000"]
     return [
         ("loader", py + ["fastmm.bench", "--out", os.path.join(out, "loader"),
                          "--cache-dir", cache, *loader], os.path.join("loader", "summary.md")),
