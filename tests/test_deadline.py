@@ -189,6 +189,37 @@ def test_a_replaced_stream_worker_counts_each_bad_sample_once(corpus):
     assert sum(skipped.values()) == want_skipped["corrupt"] >= 3
 
 
+class PlainStream(torch.utils.data.IterableDataset):
+    """A user's stream over the dataset that keeps no state: a replaced worker pulls and drops
+    what its predecessor had sent, meeting the bad samples among them again."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset  # the name a loader looks for the decode deadline's watch under
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id, len(self.dataset), info.num_workers):
+            item = self.dataset[i]
+            if item is not None:
+                yield item
+
+
+@pytest.mark.timeout(120)
+def test_a_replaced_worker_that_pulls_and_drops_counts_each_bad_sample_once(corpus):
+    keys = _item_keys(_dataset(corpus, PilDecoder(), "raise", deadline=None))
+    # worker 0 takes items 0, 2, 4, ...: a damaged one in its first batch, a stuck one in its second
+    corrupt, stuck = [keys[2]], [keys[12]]
+
+    def run(decoder, deadline):
+        data = _dataset(corpus, decoder, "skip", deadline=deadline)
+        loader = fastmm.DataLoader(PlainStream(data), batch_size=4, num_workers=2)
+        return [k for b in loader for k in b["key"]], data.skipped
+
+    got, skipped = run(CorruptThenStuck(corrupt, stuck), DEADLINE)
+    assert skipped == {"corrupt": 1, "deadline": 1}
+    assert got == run(CorruptOn(corrupt + stuck), None)[0]
+
+
 def test_without_worker_processes_the_deadline_warns(corpus):
     data = _dataset(corpus, PilDecoder(), "raise")
     with pytest.warns(FastmmWarning, match="num_workers > 0"):

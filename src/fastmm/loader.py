@@ -371,11 +371,13 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._index_queues[worker_id].close()
         self._ring.forget(self._channels[worker_id])
         self._channels[worker_id] = max(self._channels) + 1
-        if self._counters is not None and self._num_workers < self._counters.ROWS:
-            # what it counted in tasks whose batches were lost, the replacement counts again
-            self._counters.set_row(worker_id, self._last_counts[worker_id])
         stream = self._last_stream[worker_id]
         skip = 0 if stream is not None else self._samples_in(self._received[worker_id])
+        if self._counters is not None and self._num_workers < self._counters.ROWS:
+            # what it counted in tasks whose batches were lost, the replacement counts again;
+            # pulling and dropping, it counts again what it met before them as well
+            self._counters.set_row(worker_id, (self._epoch_counts if skip else
+                                               self._last_counts)[worker_id])
         self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
         self._awaiting_resume.discard(worker_id)
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
@@ -466,6 +468,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                 idx, worker_id = self._get_data()
                 if idx == "resumed":
                     self._awaiting_resume.discard(worker_id)
+        self._epoch_counts = list(self._last_counts)  # each worker's skip counts as it begins
         self._note_epoch_start()
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
