@@ -18,6 +18,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
+from fastmm.decode import DecodeError
+from fastmm.decode.pil import Decoder as PilDecoder
+
 # --------------------------------------------------------------------------------------------
 # Sample types
 # --------------------------------------------------------------------------------------------
@@ -704,3 +707,21 @@ def collate_raises(batch):
     if any(int(x[0]) == 6 for x in batch):
         raise CustomError("collate refused a batch containing 6")
     return torch.stack(batch)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad samples
+# --------------------------------------------------------------------------------------------
+
+
+class CorruptOn(PilDecoder):
+    """The real Pillow decoder, except that the given keys are damaged."""
+
+    def __init__(self, keys):
+        super().__init__()
+        self.keys = set(keys)
+
+    def decode_resized_crop(self, data, plan, *, key="", reduce=False):
+        if key in self.keys:
+            raise DecodeError("corrupt", key, "damaged on purpose")
+        return super().decode_resized_crop(data, plan, key=key, reduce=reduce)

@@ -22,6 +22,8 @@ from fastmm import FastmmWarning
 from fastmm.sources import SourceError
 from fastmm.stream import ShardStream
 
+from _datasets import CorruptOn  # the same keys as plain damage: what a stuck run must match
+
 SPEC = CorpusSpec(num_images=24, num_videos=0, seed=5, image_short_side=(64, 96),
                   large_fraction=0.0, shard_bytes=60_000)
 DEADLINE = 1.0
@@ -38,19 +40,6 @@ class StuckOn(PilDecoder):
     def decode_resized_crop(self, data, plan, *, key="", reduce=False):
         if key in self.keys:
             ctypes.PyDLL(None).sleep(3600)  # PyDLL: the GIL stays held; signals do not help
-        return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
-
-
-class CorruptOn(PilDecoder):
-    """The same keys as plain damage: what the deadline's run must match."""
-
-    def __init__(self, keys):
-        super().__init__()
-        self.keys = set(keys)
-
-    def decode_resized_crop(self, data, plan, *, key="", reduce=False):
-        if key in self.keys:
-            raise DecodeError("corrupt", key, "stands in for a stuck sample")
         return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
 
 

@@ -15,7 +15,9 @@ import torch
 from torch.utils.data import Dataset
 
 import fastmm
+from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
 
+from _datasets import CorruptOn
 from _resume_job import Augmented, AugmentedStream, EpochStream, PositionedStream
 
 
@@ -172,3 +174,38 @@ def test_a_persistent_worker_killed_between_epochs_is_replaced():
     os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)  # idle, waiting for an epoch
     time.sleep(0.2)
     assert sorted(r[0] for b in loader for r in b.tolist()) == list(range(23))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("respawn"))
+    write_corpus(CorpusSpec(num_images=60, num_videos=0, seed=3, image_short_side=(32, 48),
+                            large_fraction=0.0, shard_bytes=40_000), out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_random_kills_count_each_bad_sample_once(corpus, kind):
+    """Workers killed at random while a MultimodalDataset skips damaged samples: the keys of
+    the fault-free run, and its skip counts (a replacement meets again the bad samples of the
+    batches that were lost; its predecessor's counts of them are taken back)."""
+    source = "posix" if kind == "map" else "shards"
+    keys = fastmm.MultimodalDataset(f"{corpus}/{source}", source=source).source.keys()
+    bad = keys[1::5]
+
+    def run(kills):
+        data = fastmm.MultimodalDataset(f"{corpus}/{source}", source=source, size=16,
+                                        crop="center", decoder=CorruptOn(bad), on_error="skip")
+        dataset = data if kind == "map" else fastmm.ShardStream(data, shuffle=False)
+        it = iter(fastmm.DataLoader(dataset, batch_size=4, num_workers=2, prefetch_factor=3,
+                                    on_worker_failure="respawn"))
+        picker, got = random.Random(2), []
+        for n, batch in enumerate(it):
+            got += batch["key"]
+            if n in kills:
+                os.kill(it._workers[picker.randrange(2)].pid, signal.SIGKILL)
+        return got, data.skipped
+
+    clean = run(set())
+    assert clean[1]["corrupt"] >= len(bad)
+    assert run({0, 2, 5, 7}) == clean
