@@ -250,6 +250,28 @@ def test_multimodal_dataset_marks_its_stages(tmp_path):
     assert m["sample_s"]["p50"] >= m["decode_s"]["p50"]
 
 
+def test_skipped_samples_of_a_wrapped_dataset_count_in_their_session(loader_cls, tmp_path):
+    """samples_skipped: the bad samples met while watched, also through a Subset, and not
+    those the same dataset met before (a baseline run measured first, say)."""
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    from _datasets import CorruptOn
+
+    root = str(tmp_path / "corpus" / "posix")
+    write_corpus(CorpusSpec(num_images=20, num_videos=0, seed=3), str(tmp_path / "corpus"))
+    keys = fastmm.MultimodalDataset(root).source.keys()
+    ds = fastmm.MultimodalDataset(root, size=16, crop="center", on_error="skip",
+                                  decoder=CorruptOn(keys[::4]))
+    for _ in loader_cls(ds, batch_size=4, num_workers=2):  # 5 bad samples met before
+        pass
+    tm = Telemetry()
+    for _ in tm.watch(loader_cls(torch.utils.data.Subset(ds, range(10)), batch_size=4,
+                                 num_workers=2)):
+        pass
+    assert tm.summary()["metrics"]["samples_skipped"] == 3  # items 0, 4 and 8
+    assert sum(ds.skipped.values()) == 8
+
+
 def test_nvml_without_a_gpu_leaves_gpu_figures_empty():
     from fastmm.telemetry.sampler import _Nvml
 

@@ -44,7 +44,8 @@ METRICS: dict[str, str] = {
     "main_cpu_percent": "CPU of the main process, percent of one core, sampled",
     "worker_cpu_percent": "CPU of each worker, percent of one core, sampled (pooled)",
     "worker_restarts": "worker processes replaced while an epoch ran",
-    "samples_skipped": "samples a dataset left out or replaced under its on_error policy",
+    "samples_skipped": "samples a dataset left out or replaced under its on_error policy "
+                       "while watched",
     "samples_failed": "errors that reached the loop from next()",
     "spans_dropped": "stage spans lost because a worker outran the drain (0 unless overloaded)",
 }

@@ -27,6 +27,15 @@ from .recorder import STAGES, SpanLog, TimedCollate, deactivate, wrap_dataset
 from .sampler import Sampler
 
 
+def _skipped(dataset) -> int:
+    """Samples ``dataset``, or the MultimodalDataset it wraps (Subset, ShardStream), left out or
+    replaced so far, in every process."""
+    from ..dataset import wrapped  # (fastmm.dataset imports this package)
+
+    skipped = wrapped(dataset, "skipped")
+    return sum(skipped.values()) if isinstance(skipped, dict) else 0
+
+
 class Telemetry:
     """One session of measurements over one loader (any number of epochs).
 
@@ -55,6 +64,7 @@ class Telemetry:
         self._gpu: list[tuple[str, int, float]] = []  # (name, host start ns, GPU seconds)
         self._h2d_bytes = 0
         self._samples = self._batches = self._failed = self._restarts = 0
+        self._skipped_before = 0
         self._wall_s = 0.0
 
     # -- watching ----------------------------------------------------------------------------
@@ -73,6 +83,7 @@ class Telemetry:
             object.__setattr__(loader, "dataset", wrap_dataset(dataset, self.log))
             loader.collate_fn = TimedCollate(collate_fn, self.log)
             self._restore = (dataset, collate_fn)
+            self._skipped_before = _skipped(dataset)  # a dataset counts over its whole life
             self.loader = loader
             self._note_loop_reads(first=True)
         return Watched(self, loader, _iterate or (lambda: iter(loader)))
@@ -204,8 +215,7 @@ class Telemetry:
         m["worker_restarts"] = self._restarts
         m["samples_failed"] = self._failed
         dataset = self._restore[0] if self._restore else getattr(self.loader, "dataset", None)
-        skipped = getattr(dataset, "skipped", None)
-        m["samples_skipped"] = sum(skipped.values()) if isinstance(skipped, dict) else 0
+        m["samples_skipped"] = _skipped(dataset) - self._skipped_before
         m["spans_dropped"] = self.log.dropped
         loader = type(self.loader) if self.loader is not None else None
         return {
