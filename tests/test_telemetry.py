@@ -233,19 +233,26 @@ def test_unwatch_gives_the_loader_back(loader_cls):
     assert loader.dataset is dataset and loader.collate_fn is collate
 
 
-def test_multimodal_dataset_marks_its_stages(tmp_path):
+@pytest.mark.parametrize("wrapper", [None, "Subset", "ShardStream"])
+def test_multimodal_dataset_marks_its_stages(tmp_path, wrapper):
+    """One "sample" span per sample, the dataset's own, also through a wrapper."""
     from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
 
     root = tmp_path / "corpus"
-    write_corpus(CorpusSpec(num_images=12, num_videos=0, seed=3), str(root))
-    ds = fastmm.MultimodalDataset(str(root / "posix"), decoder="pil", size=32,
+    write_corpus(CorpusSpec(num_images=12, num_videos=0, seed=3, shard_bytes=200_000), str(root))
+    source = "shards" if wrapper == "ShardStream" else "posix"
+    ds = fastmm.MultimodalDataset(str(root / source), source=source, decoder="pil", size=32,
                                   transform=lambda item: item["image"])
+    if wrapper == "Subset":
+        ds = torch.utils.data.Subset(ds, range(12))
+    elif wrapper == "ShardStream":
+        ds = fastmm.ShardStream(ds, shuffle=False, equal="drop")  # 2 slots' equal shares
     tm = Telemetry(trace=True)
-    for _ in tm.watch(fastmm.DataLoader(ds, batch_size=4, num_workers=2)):
-        pass
+    n = sum(len(b) for b in tm.watch(fastmm.DataLoader(ds, batch_size=4, num_workers=2)))
     m = tm.summary()["metrics"]
+    assert n == 12 or wrapper == "ShardStream" and 2 <= n < 12
     for name in ("sample_s", "read_s", "decode_s", "augment_s"):
-        assert m[name]["count"] == 12, name
+        assert m[name]["count"] == n, name
     assert m["decode_s"]["p50"] > m["augment_s"]["p50"]
     assert m["sample_s"]["p50"] >= m["decode_s"]["p50"]
 

@@ -28,6 +28,7 @@ import torch.utils.data
 
 from . import config
 from ._shared import SharedArray, row_of, this_worker
+from ._wrappers import wrapped
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
 from .errors import FastmmWarning
@@ -149,16 +150,6 @@ class _Counters(SharedArray):
         width = len(REASONS) + 1
         sums = [sum(self._array[r * width + c] for r in range(self.ROWS)) for c in range(width)]
         return {r: n for r, n in zip(REASONS, sums) if n}, sums[-1]
-
-
-def wrapped(dataset, name: str):
-    """``dataset``'s attribute ``name``, or that of a dataset it wraps (Subset, ShardStream)."""
-    for _ in range(4):
-        found = getattr(dataset, name, None)
-        if found is not None or not hasattr(dataset, "dataset"):
-            return found
-        dataset = dataset.dataset
-    return None
 
 
 def skip_counters(dataset) -> _Counters | None:

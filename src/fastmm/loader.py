@@ -38,8 +38,9 @@ from torch.utils.data.dataloader import (
 
 from . import collate, resume
 from ._workers import StopFlag, worker_loop
+from ._wrappers import wrapped
 from .config import TelemetryConfig, TransportConfig
-from .dataset import skip_counters, wrapped
+from .dataset import skip_counters
 from .slabs import SlabRing
 from .telemetry import Telemetry
 

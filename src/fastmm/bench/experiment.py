@@ -128,9 +128,7 @@ class Indexed(Dataset):
     """(sample, index): lets every arm's output say which samples it carried, in what order."""
 
     def __init__(self, dataset):
-        self.dataset = dataset
-        # telemetry: a dataset that times its own samples keeps doing so through this wrapper
-        self.marks_sample_stage = getattr(dataset, "marks_sample_stage", False)
+        self.dataset = dataset  # telemetry finds a dataset that times its own samples through it
 
     def __len__(self):
         return len(self.dataset)

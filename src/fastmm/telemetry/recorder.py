@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .._shared import row_of, this_worker
+from .._wrappers import wrapped
 
 STAGES = ("sample", "read", "decode", "augment", "collate")
 _CODE = {name: i for i, name in enumerate(STAGES)}
@@ -195,7 +196,7 @@ class TimedDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log  # private names: the user's stay reachable
-        self._marks_samples = getattr(dataset, "marks_sample_stage", False)
+        self._marks_samples = bool(wrapped(dataset, "marks_sample_stage"))
 
     def __len__(self):
         return len(self._inner)
@@ -225,19 +226,24 @@ class TimedBatchDataset(TimedDataset):
 
 
 class TimedIterableDataset(torch.utils.data.IterableDataset):
-    """An iterable dataset whose every next() is recorded as a "sample" span."""
+    """An iterable dataset whose every next() is recorded as a "sample" span (unless the dataset
+    it reads, a ShardStream's say, marks its own samples)."""
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
+        self._marks_samples = bool(wrapped(dataset, "marks_sample_stage"))
 
     def __iter__(self):
-        return _TimedIterator(iter(self._inner), self._log, activate(self._log))
+        row = activate(self._log)
+        if self._marks_samples:
+            return iter(self._inner)
+        return _TimedIterator(iter(self._inner), self._log, row)
 
     def __len__(self):
         return len(self._inner)
 
     def __getattr__(self, name):
-        if name in ("_inner", "_log"):
+        if name in ("_inner", "_log", "_marks_samples"):
             raise AttributeError(name)
         return getattr(self._inner, name)
 

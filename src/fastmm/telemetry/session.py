@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from .._wrappers import wrapped
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, distribution
 from .recorder import STAGES, SpanLog, TimedCollate, deactivate, wrap_dataset
@@ -30,8 +31,6 @@ from .sampler import Sampler
 def _skipped(dataset) -> int:
     """Samples ``dataset``, or the MultimodalDataset it wraps (Subset, ShardStream), left out or
     replaced so far, in every process."""
-    from ..dataset import wrapped  # (fastmm.dataset imports this package)
-
     skipped = wrapped(dataset, "skipped")
     return sum(skipped.values()) if isinstance(skipped, dict) else 0
 
