@@ -508,6 +508,45 @@ def test_the_multimodal_dataset_keeps_its_skip_counts(tmp_path):
     assert ds2.skipped == {"corrupt": 1} and ds2.replaced == 0
 
 
+@pytest.mark.parametrize("in_order", [True, False])
+def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_order):
+    """Workers run ahead of the loop: the bad samples in batches made but not handed out are
+    not in the saved counts (the restored loader makes those batches again and counts them
+    then), so a resumed run counts each bad sample once."""
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    from _datasets import CorruptOn
+
+    root = str(tmp_path / "posix")
+    write_corpus(CorpusSpec(num_images=16, num_videos=0, seed=1, image_short_side=(32, 40),
+                            large_fraction=0.0), str(tmp_path))
+    bad = fastmm.MultimodalDataset(root).source.keys()[1::3]
+
+    def loader():
+        ds = fastmm.MultimodalDataset(root, size=16, crop="center", on_error="skip",
+                                      decoder=CorruptOn(bad))
+        return fastmm.DataLoader(ds, batch_size=2, num_workers=2, in_order=in_order)
+
+    whole = loader()
+    want = sorted(k for b in whole for k in b["key"])
+    counts = whole.dataset.skipped
+    assert counts["corrupt"] >= 4
+    for stop in (0, 2):
+        first, got = loader(), []
+        for n, batch in enumerate(first):
+            got += batch["key"]
+            if n == stop:
+                time.sleep(0.5)  # the workers make the batches ahead
+                state = json.loads(json.dumps(first.state_dict()))
+                break
+        assert first.dataset.skipped["corrupt"] > state["dataset"]["skipped"]["corrupt"]
+        second = loader()
+        second.load_state_dict(state)
+        got += [k for b in second for k in b["key"]]
+        assert sorted(got) == want
+        assert second.dataset.skipped == counts
+
+
 def _run_job(out, world: int, *args, env_extra=None):
     procs = []
     for rank in range(world):

@@ -15,6 +15,7 @@ share, so ``dataset.skipped`` in the main process totals every worker's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -117,6 +118,7 @@ class _Counters(SharedArray):
 
     def __init__(self):
         super().__init__("q", self.ROWS * (len(REASONS) + 1))
+        self._as_handed_out = None  # a snapshot totals() answers from (handed_out())
 
     def _row(self, worker_id: int | None) -> slice:
         row = row_of(worker_id, self.ROWS)
@@ -148,8 +150,25 @@ class _Counters(SharedArray):
 
     def totals(self) -> tuple[dict[str, int], int]:
         width = len(REASONS) + 1
-        sums = [sum(self._array[r * width + c] for r in range(self.ROWS)) for c in range(width)]
+        rows = self._as_handed_out or self._array
+        sums = [sum(rows[r * width + c] for r in range(self.ROWS)) for c in range(width)]
         return {r: n for r, n in zip(REASONS, sums) if n}, sums[-1]
+
+    @contextlib.contextmanager
+    def handed_out(self, rows: list):
+        """totals() as a loader's batches handed out have them: each worker's row (``rows``,
+        by worker id; None: as it is) as after its last batch handed out, from one snapshot.
+        The batches its workers made ahead, a resumed loader makes again, and counts then."""
+        view = self._array[:]
+        if len(rows) < self.ROWS:  # else rows are shared between workers
+            for worker_id, row in enumerate(rows):
+                if row is not None:
+                    view[self._row(worker_id)] = row
+        self._as_handed_out = view
+        try:
+            yield
+        finally:
+            self._as_handed_out = None
 
 
 def skip_counters(dataset) -> _Counters | None:

@@ -446,6 +446,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
         self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
         self._task_stream: dict[int, tuple] = {}  # idx -> its stream state after the task
+        self._task_counts: dict[int, list] = {}  # idx -> its worker's skip counts after it
         self._task_position: dict[int, int] = {}  # idx -> its batch's place in the epoch's order
         self._task_index: dict[int, object] = {}  # idx -> its indices, until its result comes
         self._task_deaths: dict[int, int] = {}  # idx -> workers that died while it was theirs
@@ -470,6 +471,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                 if idx == "resumed":
                     self._awaiting_resume.discard(worker_id)
         self._epoch_counts = list(self._last_counts)  # each worker's skip counts as it begins
+        self._progress.worker_counts = list(self._epoch_counts)
         self._note_epoch_start()
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
@@ -554,6 +556,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._received[worker_id] += 1
         if counts is not None:
             self._last_counts[worker_id] = counts
+        if self._counters is not None:
+            self._task_counts[send_idx] = self._last_counts[worker_id]
         self._task_index.pop(send_idx, None)
         if rng is not None:
             self._task_rng[send_idx] = self._last_rng[worker_id] = rng
@@ -662,7 +666,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
 
     def _process_data(self, data, worker_id: int, idx: int):
         self._progress.handed_out(worker_id, self._task_rng.pop(idx, None),
-                                  self._task_stream.pop(idx, None), self._task_position.pop(idx, None))
+                                  self._task_stream.pop(idx, None), self._task_position.pop(idx, None),
+                                  self._task_counts.pop(idx, None))
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, torch._utils.ExceptionWrapper):

@@ -20,6 +20,7 @@ sampler's order); the restored loader yields the rest, each once, in whatever or
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import dataclasses
 import pickle
@@ -29,6 +30,8 @@ import zlib
 
 import torch
 from torch.utils.data import IterableDataset
+
+from .dataset import skip_counters
 
 VERSION = 1
 
@@ -206,12 +209,16 @@ class Progress:
     worker_batches: list = dataclasses.field(default_factory=list)  # IterableDataset: per worker
     # IterableDataset: per worker (or the one process) its stream_state() after its last batch
     worker_streams: list = dataclasses.field(default_factory=list)
+    # a MultimodalDataset's: per worker, its row of skip counts after its last batch handed out
+    # (this process's view, not saved: state_dict() counts by it)
+    worker_counts: list = dataclasses.field(default_factory=list)
     last_worker: int | None = None
 
     def __post_init__(self):
         self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
         self.worker_batches = list(self.worker_batches) or [0] * self.num_workers
         self.worker_streams = list(self.worker_streams) or [None] * max(1, self.num_workers)
+        self.worker_counts = list(self.worker_counts) or [None] * self.num_workers
 
     @property
     def first_missing(self) -> int:
@@ -231,9 +238,10 @@ class Progress:
         self.worker_streams = carried_streams(self.worker_streams)
 
     def handed_out(self, worker_id: int, rng: tuple | None, stream: tuple | None,
-                   position: int | None = None) -> None:
+                   position: int | None = None, counts: list | None = None) -> None:
         """A batch handed out; ``position``: its place in the sampler's order, where batches
-        may come back out of it (in_order=False)."""
+        may come back out of it (in_order=False); ``counts``: its worker's skip counts after
+        it."""
         first_missing = self.first_missing
         self.batches += 1
         if position is not None and position != first_missing:
@@ -248,6 +256,8 @@ class Progress:
             self.worker_rng[worker_id] = rng
         if stream is not None:
             self.worker_streams[worker_id] = stream
+        if counts is not None:
+            self.worker_counts[worker_id] = counts
 
     def first_worker(self, iterable: bool) -> int:
         """The worker the next task goes to, as the round robin of the saved run had it."""
@@ -462,7 +472,10 @@ def encode(loader, progress: Progress | None) -> dict:
         state["dataset"] = dataset_state(loader.dataset)
     else:
         dataset_state_dict = getattr(loader.dataset, "state_dict", None)
-        state["dataset"] = dataset_state_dict() if callable(dataset_state_dict) else None
+        counters = skip_counters(loader.dataset)
+        with (counters.handed_out(p.worker_counts) if counters is not None and p.mid_epoch
+              else contextlib.nullcontext()):
+            state["dataset"] = dataset_state_dict() if callable(dataset_state_dict) else None
     return state
 
 
