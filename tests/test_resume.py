@@ -508,11 +508,13 @@ def test_the_multimodal_dataset_keeps_its_skip_counts(tmp_path):
     assert ds2.skipped == {"corrupt": 1} and ds2.replaced == 0
 
 
-@pytest.mark.parametrize("in_order", [True, False])
-def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_order):
+@pytest.mark.parametrize("in_order, subset", [(True, False), (False, False), (True, True)],
+                         ids=["in order", "out of order", "through a Subset"])
+def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_order, subset):
     """Workers run ahead of the loop: the bad samples in batches made but not handed out are
     not in the saved counts (the restored loader makes those batches again and counts them
-    then), so a resumed run counts each bad sample once."""
+    then), so a resumed run counts each bad sample once. A Subset's dataset (random_split's)
+    has its counts saved too."""
     from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
 
     from _datasets import CorruptOn
@@ -525,11 +527,13 @@ def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_
     def loader():
         ds = fastmm.MultimodalDataset(root, size=16, crop="center", on_error="skip",
                                       decoder=CorruptOn(bad))
+        if subset:
+            ds = torch.utils.data.Subset(ds, range(len(ds)))
         return fastmm.DataLoader(ds, batch_size=2, num_workers=2, in_order=in_order)
 
     whole = loader()
     want = sorted(k for b in whole for k in b["key"])
-    counts = whole.dataset.skipped
+    counts = _skipped(whole)
     assert counts["corrupt"] >= 4
     for stop in (0, 2):
         first, got = loader(), []
@@ -539,12 +543,16 @@ def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_
                 time.sleep(0.5)  # the workers make the batches ahead
                 state = json.loads(json.dumps(first.state_dict()))
                 break
-        assert first.dataset.skipped["corrupt"] > state["dataset"]["skipped"]["corrupt"]
+        assert _skipped(first)["corrupt"] > state["dataset"]["skipped"]["corrupt"]
         second = loader()
         second.load_state_dict(state)
         got += [k for b in second for k in b["key"]]
         assert sorted(got) == want
-        assert second.dataset.skipped == counts
+        assert _skipped(second) == counts
+
+
+def _skipped(loader) -> dict:
+    return getattr(loader.dataset, "dataset", loader.dataset).skipped
 
 
 def _run_job(out, world: int, *args, env_extra=None):

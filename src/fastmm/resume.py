@@ -31,6 +31,7 @@ import zlib
 import torch
 from torch.utils.data import IterableDataset
 
+from ._wrappers import wrapped
 from .dataset import skip_counters
 
 VERSION = 1
@@ -269,10 +270,11 @@ class Progress:
 
 
 def dataset_state(dataset):
-    """A copy of the dataset's own state_dict() now, or None if it has none, or if it cannot
-    give one now (a stream whose state exists only once iterated, in its workers): then
-    state_dict() asks it again when called, and its error, if any, shows there."""
-    own = getattr(dataset, "state_dict", None)
+    """A copy of the dataset's own state_dict() now (or of the dataset it wraps: a Subset's),
+    or None if it has none, or if it cannot give one now (a stream whose state exists only once
+    iterated, in its workers): then state_dict() asks it again when called, and its error, if
+    any, shows there."""
+    own = wrapped(dataset, "state_dict")
     try:
         return copy.deepcopy(own()) if callable(own) else None
     except Exception:
@@ -471,7 +473,7 @@ def encode(loader, progress: Progress | None) -> dict:
         # none to give (torchdata does not ask it)
         state["dataset"] = dataset_state(loader.dataset)
     else:
-        dataset_state_dict = getattr(loader.dataset, "state_dict", None)
+        dataset_state_dict = wrapped(loader.dataset, "state_dict")
         counters = skip_counters(loader.dataset)
         with (counters.handed_out(p.worker_counts) if counters is not None and p.mid_epoch
               else contextlib.nullcontext()):
@@ -492,7 +494,7 @@ def decode(loader, state: dict) -> Progress:
         _sampler_with_state(loader).load_state_dict(sampler_state)
     for generator, generator_state in generator_states:
         _set_state(generator, generator_state)
-    dataset_load = getattr(loader.dataset, "load_state_dict", None)
+    dataset_load = wrapped(loader.dataset, "load_state_dict")
     if state.get("dataset") is not None and callable(dataset_load):
         dataset_load(state["dataset"])
     return p
