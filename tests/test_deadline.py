@@ -178,6 +178,27 @@ def test_a_replaced_stream_worker_counts_each_bad_sample_once(corpus):
     assert sum(skipped.values()) == want_skipped["corrupt"] >= 3
 
 
+@pytest.mark.timeout(120)
+def test_a_concat_dataset_is_held_to_its_datasets_deadlines(corpus):
+    """torch's ConcatDataset keeps its datasets as .datasets: the loader finds each one's
+    decode deadline and skip counts through it."""
+    keys = _item_keys(_dataset(corpus, PilDecoder(), "raise", deadline=None))
+
+    def run(decoder, deadline):
+        # "replace": a ConcatDataset has no __getitems__ to skip with
+        clean = _dataset(corpus, PilDecoder(), "replace", deadline=deadline)
+        bad = _dataset(corpus, decoder, "replace", deadline=deadline)
+        loader = fastmm.DataLoader(torch.utils.data.ConcatDataset([clean, bad]), batch_size=4,
+                                   num_workers=2)
+        return [k for b in loader for k in b["key"]], clean.skipped, bad.skipped, bad.replaced
+
+    got, clean, bad, replaced = run(CorruptThenStuck([keys[4]], [keys[5]]), DEADLINE)
+    want, _, want_bad, want_replaced = run(CorruptOn([keys[4], keys[5]]), None)
+    assert got == want and got[:24] == keys and not {keys[4], keys[5]} & set(got[24:])
+    assert clean == {} and bad["deadline"] >= 1 and replaced == want_replaced
+    assert sum(bad.values()) == want_bad["corrupt"]  # each met as often (counted per meeting)
+
+
 class PlainStream(torch.utils.data.IterableDataset):
     """A user's stream over the dataset that keeps no state: a replaced worker pulls and drops
     what its predecessor had sent, meeting the bad samples among them again."""

@@ -233,7 +233,7 @@ def test_unwatch_gives_the_loader_back(loader_cls):
     assert loader.dataset is dataset and loader.collate_fn is collate
 
 
-@pytest.mark.parametrize("wrapper", [None, "Subset", "ShardStream"])
+@pytest.mark.parametrize("wrapper", [None, "Subset", "ShardStream", "ConcatDataset"])
 def test_multimodal_dataset_marks_its_stages(tmp_path, wrapper):
     """One "sample" span per sample, the dataset's own, also through a wrapper."""
     from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
@@ -245,6 +245,9 @@ def test_multimodal_dataset_marks_its_stages(tmp_path, wrapper):
                                   transform=lambda item: item["image"])
     if wrapper == "Subset":
         ds = torch.utils.data.Subset(ds, range(12))
+    elif wrapper == "ConcatDataset":
+        ds = torch.utils.data.ConcatDataset([torch.utils.data.Subset(ds, range(5)),
+                                             torch.utils.data.Subset(ds, range(5, 12))])
     elif wrapper == "ShardStream":
         ds = fastmm.ShardStream(ds, shuffle=False, equal="drop")  # 2 slots' equal shares
     tm = Telemetry(trace=True)
@@ -258,8 +261,9 @@ def test_multimodal_dataset_marks_its_stages(tmp_path, wrapper):
 
 
 def test_skipped_samples_of_a_wrapped_dataset_count_in_their_session(loader_cls, tmp_path):
-    """samples_skipped: the bad samples met while watched, also through a Subset, and not
-    those the same dataset met before (a baseline run measured first, say)."""
+    """samples_skipped: the bad samples met while watched, also through wrappers (a
+    ConcatDataset of Subsets here), and not those the same dataset met before (a baseline run
+    measured first, say)."""
     from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
 
     from _datasets import CorruptOn
@@ -272,11 +276,17 @@ def test_skipped_samples_of_a_wrapped_dataset_count_in_their_session(loader_cls,
     for _ in loader_cls(ds, batch_size=4, num_workers=2):  # 5 bad samples met before
         pass
     tm = Telemetry()
-    for _ in tm.watch(loader_cls(torch.utils.data.Subset(ds, range(10)), batch_size=4,
-                                 num_workers=2)):
+    halves = [torch.utils.data.Subset(ds, range(5)), torch.utils.data.Subset(ds, range(5, 10))]
+    for _ in tm.watch(loader_cls(torch.utils.data.ConcatDataset(halves), batch_size=4,
+                                 num_workers=2, collate_fn=_without_none)):
         pass
     assert tm.summary()["metrics"]["samples_skipped"] == 3  # items 0, 4 and 8
     assert sum(ds.skipped.values()) == 8
+
+
+def _without_none(batch):
+    """Collation for a dataset without __getitems__ that skips: it gives None for a bad one."""
+    return torch.utils.data.default_collate([item for item in batch if item is not None])
 
 
 def test_nvml_without_a_gpu_leaves_gpu_figures_empty():

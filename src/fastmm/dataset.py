@@ -29,7 +29,7 @@ import torch.utils.data
 
 from . import config
 from ._shared import SharedArray, row_of, this_worker
-from ._wrappers import wrapped
+from ._wrappers import all_wrapped
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
 from .errors import FastmmWarning
@@ -171,12 +171,41 @@ class _Counters(SharedArray):
             self._as_handed_out = None
 
 
-def skip_counters(dataset) -> _Counters | None:
-    """The skip counts of the MultimodalDataset ``dataset`` is or wraps. A worker sends its row
-    with each batch, so that a loader replacing it can put the row back to its last batch
-    received: the replacement makes the rest again, and counts what it meets again."""
-    counters = wrapped(dataset, "_counters")
-    return counters if isinstance(counters, _Counters) else None
+def skip_counters(dataset) -> "_CountersOf | None":
+    """The skip counts of the MultimodalDatasets ``dataset`` is or wraps (a ConcatDataset's
+    several), as one. A worker sends its row with each batch, so that a loader replacing it can
+    put the row back to its last batch received (the replacement makes the rest again, and
+    counts what it meets again), and a loader's state can count the batches handed out."""
+    parts = [c for c in all_wrapped(dataset, "_counters") if isinstance(c, _Counters)]
+    return _CountersOf(parts) if parts else None
+
+
+class _CountersOf:
+    """Several datasets' _Counters, their rows end to end."""
+
+    ROWS = _Counters.ROWS
+
+    def __init__(self, parts: list[_Counters]):
+        self.parts = parts
+
+    def _split(self, counts: list[int]) -> list[list[int]]:
+        width = len(REASONS) + 1
+        return [counts[i * width:(i + 1) * width] for i in range(len(self.parts))]
+
+    def row(self, worker_id: int | None) -> list[int]:
+        return [n for c in self.parts for n in c.row(worker_id)]
+
+    def set_row(self, worker_id: int | None, counts: list[int]) -> None:
+        for c, part in zip(self.parts, self._split(counts)):
+            c.set_row(worker_id, part)
+
+    @contextlib.contextmanager
+    def handed_out(self, rows: list):
+        split = [None if r is None else self._split(r) for r in rows]
+        with contextlib.ExitStack() as stack:
+            for i, c in enumerate(self.parts):
+                stack.enter_context(c.handed_out([None if r is None else r[i] for r in split]))
+            yield
 
 
 class SampleWatch(SharedArray):

@@ -38,7 +38,7 @@ from torch.utils.data.dataloader import (
 
 from . import collate, resume
 from ._workers import StopFlag, worker_loop
-from ._wrappers import wrapped
+from ._wrappers import all_wrapped
 from .config import TelemetryConfig, TransportConfig
 from .dataset import skip_counters
 from .slabs import SlabRing
@@ -277,9 +277,10 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._workers_done_event = StopFlag(context)
         self._context, self._transport = context, transport
         self._respawn = loader.on_worker_failure == "respawn"
-        self._watch = wrapped(self._dataset, "sample_watch")  # a decode deadline to hold workers to
-        if self._watch is not None:
-            self._watch.watched = True
+        # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
+        self._watches = all_wrapped(self._dataset, "sample_watch")
+        for watch in self._watches:
+            watch.watched = True
         self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
         self._shm_checked = 0  # the largest ring size checked against free shared memory
         self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
@@ -302,7 +303,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         # Held outside the iterator as well: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
-        if not (self._respawn or self._watch):  # else deaths are this iterator's, not torch's
+        if not (self._respawn or self._watches):  # else deaths are this iterator's, not torch's
             torch_utils.signal_handling._set_worker_pids(
                 id(self), tuple(w.pid for w in self._workers))
             torch_utils.signal_handling._set_SIGCHLD_handler()
@@ -390,23 +391,24 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         replacement meets it first and counts it, by the dataset's bad-input policy), the
         worker is killed and replaced. A decoder stuck in C can be stopped no other way."""
         active = [i for i in range(self._num_workers) if self._workers_status[i]]
-        stuck = self._watch.overdue(active)
-        for worker_id, item in stuck:
-            if not self._watch.expire(item, worker_id):
+        stuck = [(watch, worker_id, item) for watch in self._watches
+                 for worker_id, item in watch.overdue(active)]
+        for watch, worker_id, item in stuck:
+            if not watch.expire(item, worker_id):
                 raise RuntimeError(
-                    f"more than {self._watch.CAP} samples took over decode_deadline="
-                    f"{self._watch.deadline:g}s: the deadline is too short for this data, or "
+                    f"more than {watch.CAP} samples took over decode_deadline="
+                    f"{watch.deadline:g}s: the deadline is too short for this data, or "
                     "the decoder is broken")
             worker = self._workers[worker_id]
             log.warning("fastmm: worker %d (pid %d) spent over decode_deadline=%gs on sample "
-                        "%d: replacing it", worker_id, worker.pid, self._watch.deadline, item)
+                        "%d: replacing it", worker_id, worker.pid, watch.deadline, item)
             try:
                 os.kill(worker.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             worker.join(timeout=_STATUS_CHECK_INTERVAL_S)
             self._replace_worker(worker_id, fault=False)
-        return [w for w, _ in stuck]
+        return [w for _, w, _ in stuck]
 
     def _worker_resume(self, worker_id: int, restore: resume.Progress | None):
         """(RNG states to set, IterableDataset samples to drop, stream state to go on from)
@@ -499,11 +501,12 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         """(True, (idx, data)) from any worker within ``timeout`` s, else (False, None); a dead
         worker raises at once."""
         self._return_slabs()
-        if self._watch is not None:
+        if self._watches:
             replaced = self._replace_stuck_workers()
             if replaced:
                 return True, ("respawned", replaced)
-            timeout = min(timeout, max(0.05, min(1.0, self._watch.deadline / 4)))
+            deadline = min(watch.deadline for watch in self._watches)
+            timeout = min(timeout, max(0.05, min(1.0, deadline / 4)))
         # Inactive workers (ended or told to stop) owe no results, as in torch.
         waiting = {
             conn: i for i, conn in enumerate(self._result_conns) if self._workers_status[i]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._shared import row_of, this_worker
-from .._wrappers import wrapped
+from .._wrappers import all_wrapped
 
 STAGES = ("sample", "read", "decode", "augment", "collate")
 _CODE = {name: i for i, name in enumerate(STAGES)}
@@ -196,7 +196,7 @@ class TimedDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log  # private names: the user's stay reachable
-        self._marks_samples = bool(wrapped(dataset, "marks_sample_stage"))
+        self._marks_samples = any(all_wrapped(dataset, "marks_sample_stage"))
 
     def __len__(self):
         return len(self._inner)
@@ -231,7 +231,7 @@ class TimedIterableDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
-        self._marks_samples = bool(wrapped(dataset, "marks_sample_stage"))
+        self._marks_samples = any(all_wrapped(dataset, "marks_sample_stage"))
 
     def __iter__(self):
         row = activate(self._log)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .._wrappers import wrapped
+from .._wrappers import all_wrapped
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, distribution
 from .recorder import STAGES, SpanLog, TimedCollate, deactivate, wrap_dataset
@@ -29,10 +29,10 @@ from .sampler import Sampler
 
 
 def _skipped(dataset) -> int:
-    """Samples ``dataset``, or the MultimodalDataset it wraps (Subset, ShardStream), left out or
-    replaced so far, in every process."""
-    skipped = wrapped(dataset, "skipped")
-    return sum(skipped.values()) if isinstance(skipped, dict) else 0
+    """Samples the MultimodalDatasets ``dataset`` is or wraps (Subset, ShardStream,
+    ConcatDataset) left out or replaced so far, in every process."""
+    return sum(sum(counters.totals()[0].values())
+               for counters in all_wrapped(dataset, "_counters") if hasattr(counters, "totals"))
 
 
 class Telemetry:
