@@ -551,6 +551,49 @@ def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_
         assert _skipped(second) == counts
 
 
+def test_a_concat_datasets_states_travel_with_the_loader(tmp_path):
+    """A ConcatDataset of two MultimodalDatasets: each one's counts are saved mid-epoch (as of
+    the batches handed out) and restored into its counterpart; a state for one dataset does
+    not load into two."""
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    from _datasets import CorruptOn
+
+    root = str(tmp_path / "posix")
+    write_corpus(CorpusSpec(num_images=12, num_videos=0, seed=2, image_short_side=(32, 40),
+                            large_fraction=0.0), str(tmp_path))
+    keys = fastmm.MultimodalDataset(root).source.keys()
+
+    def loader():
+        parts = [fastmm.MultimodalDataset(root, size=16, crop="center", on_error="replace",
+                                          decoder=CorruptOn(keys[first::5]))
+                 for first in (1, 2)]
+        return fastmm.DataLoader(torch.utils.data.ConcatDataset(parts), batch_size=3,
+                                 num_workers=2)
+
+    def counts(loader):
+        return [(d.skipped, d.replaced) for d in loader.dataset.datasets]
+
+    whole = loader()
+    want = [k for b in whole for k in b["key"]]
+    assert all(skipped for skipped, _ in counts(whole))
+    first, got = loader(), []
+    for n, batch in enumerate(first):
+        got += batch["key"]
+        if n == 2:
+            time.sleep(0.5)  # the workers make the batches ahead
+            state = json.loads(json.dumps(first.state_dict()))
+            break
+    assert len(state["dataset"]["fastmm_datasets"]) == 2
+    second = loader()
+    second.load_state_dict(state)
+    assert got + [k for b in second for k in b["key"]] == want
+    assert counts(second) == counts(whole)
+    single = fastmm.DataLoader(fastmm.MultimodalDataset(root), batch_size=3)
+    with pytest.raises(ValueError, match="not one for the 2 datasets"):
+        second.load_state_dict(single.state_dict())
+
+
 def _skipped(loader) -> dict:
     return getattr(loader.dataset, "dataset", loader.dataset).skipped
 

@@ -8,16 +8,6 @@ from __future__ import annotations
 _DEPTH = 4  # levels of wrapping looked through
 
 
-def wrapped(dataset, name: str):
-    """``dataset``'s attribute ``name``, or that of the dataset it wraps as ``.dataset``."""
-    for _ in range(_DEPTH):
-        found = getattr(dataset, name, None)
-        if found is not None or not hasattr(dataset, "dataset"):
-            return found
-        dataset = dataset.dataset
-    return None
-
-
 def all_wrapped(dataset, name: str) -> list:
     """Every distinct attribute ``name`` of ``dataset`` or of the datasets it wraps (through
     ``.dataset`` and ConcatDataset's ``.datasets``), in the same order in every process."""

@@ -31,7 +31,7 @@ import zlib
 import torch
 from torch.utils.data import IterableDataset
 
-from ._wrappers import wrapped
+from ._wrappers import all_wrapped
 from .dataset import skip_counters
 
 VERSION = 1
@@ -269,14 +269,49 @@ class Progress:
         return self.batches % self.num_workers
 
 
+_SEVERAL = "fastmm_datasets"  # the states of the datasets a ConcatDataset holds, in order
+
+
+def _own(dataset, name: str) -> list:
+    """The dataset's own method ``name`` (state_dict, load_state_dict), or those of the
+    datasets it wraps (a Subset's, a ConcatDataset's), one per dataset."""
+    methods = []
+    for method in all_wrapped(dataset, name):
+        owner = getattr(method, "__self__", method)
+        if callable(method) and not any(getattr(m, "__self__", m) is owner for m in methods):
+            methods.append(method)
+    return methods
+
+
+def own_state(dataset):
+    """The dataset's state_dict() (or the one of the dataset it wraps), None if it has none;
+    of a ConcatDataset's datasets, {_SEVERAL: [each one's]}."""
+    getters = _own(dataset, "state_dict")
+    if len(getters) > 1:
+        return {_SEVERAL: [get() for get in getters]}
+    return getters[0]() if getters else None
+
+
+def _own_loads(dataset, state) -> list:
+    """(load_state_dict, its state) for own_state()'s datasets, checked before any is run."""
+    if state is None:
+        return []
+    loads = _own(dataset, "load_state_dict")
+    if len(loads) < 2:
+        return [(load, state) for load in loads]
+    several = state.get(_SEVERAL) if isinstance(state, dict) else None
+    if not isinstance(several, list) or len(several) != len(loads):
+        raise ValueError(f"the saved dataset state is not one for the {len(loads)} datasets "
+                         "with a state that this loader's dataset holds")
+    return list(zip(loads, several))
+
+
 def dataset_state(dataset):
-    """A copy of the dataset's own state_dict() now (or of the dataset it wraps: a Subset's),
-    or None if it has none, or if it cannot give one now (a stream whose state exists only once
-    iterated, in its workers): then state_dict() asks it again when called, and its error, if
-    any, shows there."""
-    own = wrapped(dataset, "state_dict")
+    """A copy of own_state() now, or None if it cannot give one now (a stream whose state
+    exists only once iterated, in its workers): then state_dict() asks it again when called,
+    and its error, if any, shows there."""
     try:
-        return copy.deepcopy(own()) if callable(own) else None
+        return copy.deepcopy(own_state(dataset))
     except Exception:
         return None
 
@@ -473,11 +508,10 @@ def encode(loader, progress: Progress | None) -> dict:
         # none to give (torchdata does not ask it)
         state["dataset"] = dataset_state(loader.dataset)
     else:
-        dataset_state_dict = wrapped(loader.dataset, "state_dict")
         counters = skip_counters(loader.dataset)
         with (counters.handed_out(p.worker_counts) if counters is not None and p.mid_epoch
               else contextlib.nullcontext()):
-            state["dataset"] = dataset_state_dict() if callable(dataset_state_dict) else None
+            state["dataset"] = own_state(loader.dataset)
     return state
 
 
@@ -488,15 +522,15 @@ def decode(loader, state: dict) -> Progress:
     dataset's own load_state_dict run last, their errors their own."""
     try:
         p, sampler_state, generator_states = _read(loader, state)
+        dataset_loads = _own_loads(loader.dataset, state.get("dataset"))
     except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise ValueError(f"a damaged fastmm DataLoader state ({type(e).__name__}: {e})") from None
     if sampler_state is not None:
         _sampler_with_state(loader).load_state_dict(sampler_state)
     for generator, generator_state in generator_states:
         _set_state(generator, generator_state)
-    dataset_load = wrapped(loader.dataset, "load_state_dict")
-    if state.get("dataset") is not None and callable(dataset_load):
-        dataset_load(state["dataset"])
+    for load, dataset_state_dict in dataset_loads:
+        load(dataset_state_dict)
     return p
 
 
