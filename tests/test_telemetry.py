@@ -28,8 +28,11 @@ def loader_cls(request):
 class Staged(Dataset):
     """Each sample: read 4 ms, decode 8 ms, augment 2 ms (sleeps), marked as stages."""
 
+    def __init__(self, n: int = 24):
+        self.n = n
+
     def __len__(self):
-        return 24
+        return self.n
 
     def __getitem__(self, i):
         with stage("read"):
@@ -158,8 +161,10 @@ def test_bytes_read_show_in_storage_figures(loader_cls, workers, tmp_path):
 def test_same_names_and_units_for_both_loaders(tmp_path):
     summaries = {}
     for name, cls in LOADERS.items():
-        tm = Telemetry(trace=True, interval_s=0.03, pss_interval_s=0.03)  # a short epoch
-        for batch in tm.watch(cls(Staged(), batch_size=6, num_workers=2)):
+        # an epoch of about half a second: long enough for the sampler thread to see the
+        # workers' memory at least once on a slow, busy machine (24 samples were not, once)
+        tm = Telemetry(trace=True, interval_s=0.03, pss_interval_s=0.03)
+        for batch in tm.watch(cls(Staged(72), batch_size=6, num_workers=2)):
             with tm.h2d(batch):
                 batch = batch.clone()
             with tm.compute():
@@ -175,7 +180,7 @@ def test_same_names_and_units_for_both_loaders(tmp_path):
             summaries["fastmm"]["metrics"][metric] is None), metric
     m = summaries["fastmm"]["metrics"]
     assert m["gpu_util_percent"] is None and m["gpu_idle_fraction"] is None  # no GPU here
-    assert m["h2d_s"]["count"] == 4 and m["h2d_bytes_per_s"] > 0
+    assert m["h2d_s"]["count"] == 12 and m["h2d_bytes_per_s"] > 0
     assert summaries["torch"]["loader"] == "torch.utils.data.dataloader.DataLoader"
     assert summaries["fastmm"]["loader"] == "fastmm.loader.DataLoader"
 
