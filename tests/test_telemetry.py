@@ -81,7 +81,9 @@ def test_busy_loop_waits_little_and_steps_at_its_compute_time(loader_cls):
     # a ready batch costs torch's queue ~1 ms to hand over, up to 2.5 ms on a loaded machine
     # (seen in CI under a fuzzer); counting the 20 ms step as waiting would be far above
     assert m["queue_wait_s"]["p50"] < 0.005
-    assert 0.02 <= m["step_s"]["p50"] <= 0.024
+    # the step: the 20 ms of compute plus at most that hand-over and the sleep's overshoot (a
+    # slow CI machine once took 25.1 ms with torch's loader)
+    assert 0.02 <= m["step_s"]["p50"] <= 0.027
 
 
 def test_slow_dataset_shows_as_queue_wait(loader_cls):
