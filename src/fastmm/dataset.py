@@ -441,8 +441,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
             self._said_unwatched = True
             warnings.warn("fastmm: decode_deadline is enforced by fastmm.DataLoader with "
                           "num_workers > 0 (it replaces a stuck worker) over this dataset or "
-                          "a wrapper that keeps it as `.dataset`; here a stuck sample would "
-                          "block", FastmmWarning, stacklevel=5)
+                          "a wrapper that keeps it as `.dataset` or in `.datasets`; here a "
+                          "stuck sample would block", FastmmWarning, stacklevel=5)
         watch.begin(item)
         try:
             return self._load(self._items[item])
