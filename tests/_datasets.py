@@ -144,6 +144,17 @@ def make_sample(kind: str, i: int, offset: int = 0):
             "small_t": base[:4, :3].t(),
             "expanded": torch.tensor([v, v + 1]).expand(3, 2),
         }
+    if kind == "channels_last":  # decoded pixels: HWC memory viewed as CHW (or TCHW)
+        hwc = (torch.arange(64 * 96 * 4, dtype=torch.int32).reshape(64, 96, 4) * 7 + v).to(torch.uint8)
+        return {
+            "rgb": hwc[..., :3].contiguous().permute(2, 0, 1),
+            "rgb_of_rgba": hwc.permute(2, 0, 1)[:3],
+            "crop": hwc.permute(2, 0, 1)[:, 5:50, 7:70],
+            "clip": torch.stack([hwc + i for i in range(3)]).permute(0, 3, 1, 2),
+            "bool": (hwc > 100).permute(2, 0, 1),
+            "int8": hwc.view(torch.int8)[..., :2].contiguous().permute(2, 0, 1),
+            "float": hwc[:8, :8].float().permute(2, 0, 1),
+        }
     if kind == "big":
         return torch.full((3, 64, 64), float(v))
     raise ValueError(kind)

@@ -105,6 +105,7 @@ CASES = [
         lambda: dict(batch_size=5, num_workers=2),
     ),
     Case("collate_noncontig_bs3_w2", lambda: SampleDataset(8, "noncontig"), lambda: dict(batch_size=3, num_workers=2)),
+    Case("collate_channels_last_bs3_w2", lambda: SampleDataset(8, "channels_last"), lambda: dict(batch_size=3, num_workers=2)),
     Case("collate_big_bs16_w2", lambda: SampleDataset(64, "big"), lambda: dict(batch_size=16, num_workers=2)),
     # --- batch_size=None (no auto-collation: default_convert per sample) -------------------
     Case("nobatch_dtypes_w2", lambda: SampleDataset(6, "dtypes"), lambda: dict(batch_size=None, num_workers=2)),
@@ -114,6 +115,7 @@ CASES = [
     Case("nobatch_params_and_grads_w2", lambda: ParamDataset(5), lambda: dict(batch_size=None, num_workers=2)),
     Case("nobatch_tv_tensors_w2", lambda: TvTensorDataset(5), lambda: dict(batch_size=None, num_workers=2), requires=("torchvision",)),
     Case("collate_tv_tensors_bs2_w2", lambda: TvTensorDataset(6), lambda: dict(batch_size=2, num_workers=2), requires=("torchvision",)),
+    Case("nobatch_channels_last_w2", lambda: SampleDataset(4, "channels_last"), lambda: dict(batch_size=None, num_workers=2)),
     Case("nobatch_noncontig_w2", lambda: SampleDataset(4, "noncontig"), lambda: dict(batch_size=None, num_workers=2)),
     # --- shuffling, samplers, batch samplers --------------------------------------------------
     Case(

@@ -168,3 +168,34 @@ def test_random_sampling_seed_generator_and_global_rng():
     assert [free.frame_indices(1000) for _ in range(5)] == b
     # a clip that exactly fits has one start
     assert ClipSpec(num_frames=3, stride=2, sampling="random").frame_indices(5) == [0, 2, 4]
+
+
+def _layouts():
+    hwc = (torch.arange(30 * 40 * 4, dtype=torch.int32).reshape(30, 40, 4) * 13).to(torch.uint8)
+    return {
+        "rgb": hwc[..., :3].contiguous().permute(2, 0, 1),
+        "rgb_of_rgba": hwc.permute(2, 0, 1)[:3],
+        "crop": hwc.permute(2, 0, 1)[:, 3:20, 5:33],
+        "clip": torch.stack([hwc, hwc + 1]).permute(0, 3, 1, 2),
+        "bool": (hwc > 99).permute(2, 0, 1),
+        "int8": hwc.view(torch.int8).permute(2, 0, 1),
+        "float": hwc.float().permute(2, 0, 1),  # torch's own copy
+        "transposed": hwc[:, :, 0].t(),
+        "contiguous": hwc.permute(2, 0, 1).contiguous(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_layouts()))
+def test_layout_copies_equal_torchs(name):
+    """Decoded pixels (HWC memory viewed as CHW) take NumPy's faster copy; every layout comes
+    out as torch's .contiguous() and copy_() give it, in new memory."""
+    from fastmm import _layout
+
+    t = _layouts()[name]
+    expected = t.contiguous()
+    got = _layout.contiguous(t)
+    assert got.is_contiguous() and got.dtype == t.dtype and torch.equal(got, expected)
+    if not t.is_contiguous():
+        assert got.data_ptr() != t.data_ptr()
+    out = torch.zeros_like(expected)
+    assert _layout.copy_into(out, t) is out and torch.equal(out, expected)

@@ -22,6 +22,7 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
+from ._layout import copy_into
 from .telemetry.recorder import TimedCollate
 
 INLINE_MAX_BYTES = 16 * 1024  # smaller storages travel inside the message; a slab is not worth it
@@ -60,13 +61,15 @@ def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
         return torch.stack(batch, 0, out=out)  # out= keeps torch's dtype rule for mixed batches
     slab_id, offset, view = _writer.alloc(nbytes)
     out = torch.frombuffer(view, dtype=elem.dtype, count=numel).view(shape)
-    if all(
-        _plain_cpu_tensor(t) and t.dtype == elem.dtype and t.shape == elem.shape and t.is_contiguous()
-        for t in batch
-    ):
+    if not all(_plain_cpu_tensor(t) and t.dtype == elem.dtype and t.shape == elem.shape
+               for t in batch):
+        return torch.stack(batch, 0, out=out)
+    if all(t.is_contiguous() for t in batch):
         _writer.gather(view, 0, [_as_bytes(t) for t in batch], nbytes // len(batch))
-        return out
-    return torch.stack(batch, 0, out=out)
+    else:  # decoded pixels are often channels-last views
+        for slot, t in zip(out, batch):
+            copy_into(slot, t)
+    return out
 
 
 def worker_collate_fn(collate_fn):

@@ -26,6 +26,7 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 
+from .. import _layout
 from ..config import DECODE_BACKENDS, DecodeConfig
 from ..errors import SampleError
 
@@ -194,7 +195,7 @@ def crop_resize(img: torch.Tensor, plan: CropPlan, *, contiguous: bool = True) -
         img = out if img.dim() == 4 else out[0]
     if plan.flip:
         img = img.flip(-1)
-    return img.contiguous() if contiguous else img
+    return _layout.contiguous(img) if contiguous else img
 
 
 def open_image_header(data: bytes, key: str, limits: DecodeLimits, *,
@@ -260,7 +261,7 @@ def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None, 
         img = img[:3]
     elif c != 3:
         raise DecodeError("unsupported", key, f"decoder returned {c} channels")
-    return img.contiguous() if contiguous else img
+    return _layout.contiguous(img) if contiguous else img
 
 
 
