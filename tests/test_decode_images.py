@@ -239,3 +239,97 @@ def test_torchvision_jpeg_batch_on_cpu_equals_one_by_one():
     with pytest.raises(DecodeError) as e:
         dec.decode_jpeg_batch([datas[0], b""], keys=["a", "b"])
     assert e.value.key == "b"
+
+
+def _jpegs() -> dict[str, bytes]:
+    big = Image.fromarray(_smooth()).resize((640, 480))
+    exif = Image.Exif()
+    exif[0x010E] = "a caption in the EXIF block " * 40  # a long APP1 segment to walk over
+    base = encode(big, "JPEG", quality=90)
+    return {
+        "baseline": base,
+        "progressive": encode(big, "JPEG", progressive=True),
+        "optimized_420": encode(big, "JPEG", optimize=True, subsampling=2),
+        "exif": encode(big, "JPEG", exif=exif.tobytes()),
+        "gray": encode(big.convert("L"), "JPEG"),
+        "cmyk": encode(big.convert("CMYK"), "JPEG"),
+        "odd_size": encode(Image.fromarray(_rgb(37, 53)), "JPEG"),
+        "fill_bytes": base[:2] + b"\xff\xff\xff" + base[2:],  # fill before a marker is legal
+        "comment": base[:2] + b"\xff\xfe\x00\x07hello" + base[2:],
+    }
+
+
+@pytest.mark.parametrize("name", list(_jpegs()))
+def test_jpeg_size_reads_the_frame_header_as_pillow_does(name):
+    from fastmm.decode.base import jpeg_size
+
+    data = _jpegs()[name]
+    assert jpeg_size(data) == Image.open(io.BytesIO(data)).size
+
+
+def test_jpeg_size_gives_none_for_anything_it_cannot_read():
+    from fastmm.decode.base import jpeg_size
+
+    jpg = _jpegs()["baseline"]
+    sof = jpg.index(b"\xff\xc0")
+    assert jpeg_size(encode(Image.fromarray(_rgb()))) is None  # a PNG
+    assert jpeg_size(jpg[:sof + 6]) is None  # cut inside the frame header
+    assert jpeg_size(jpg[:sof] + b"\xff\xda") is None  # a scan before any frame header
+    assert jpeg_size(jpg[:sof + 5] + b"\x00\x00" + jpg[sof + 7:]) is None  # height 0 (DNL)
+    rng = np.random.default_rng(5)
+    for _ in range(300):  # never raises on damaged headers
+        junk = bytearray(jpg[:sof + 20])
+        for i in rng.integers(2, len(junk), 4):
+            junk[i] = int(rng.integers(0, 256))
+        size = jpeg_size(bytes(junk)[: int(rng.integers(2, len(junk)))])
+        assert size is None or (size[0] > 0 and size[1] > 0)
+
+
+def _with_frame_size(data: bytes, width: int, height: int) -> bytes:
+    sof = data.index(b"\xff\xc0")
+    return data[:sof + 5] + struct.pack(">HH", height, width) + data[sof + 9:]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduce", [False, True])
+def test_jpeg_header_over_the_cap_is_refused_before_decoding(backend, reduce, monkeypatch):
+    from fastmm.dataset import ResizedCrop
+
+    data = _with_frame_size(_jpegs()["baseline"], 30_000, 20_000)
+    dec = get_decoder(backend, limits=DecodeLimits(max_image_pixels=50_000))
+    import torchvision.io
+
+    monkeypatch.setattr(torchvision.io, "decode_image", _never)
+    monkeypatch.setattr(Image.Image, "load", _never)
+    if backend == "torchcodec":
+        import torchcodec.decoders
+
+        monkeypatch.setattr(torchcodec.decoders, "decode_image", _never)
+    if backend == "dali":
+        monkeypatch.setattr(type(dec), "_build", _never)
+    with pytest.raises(DecodeLimitError) as e:
+        dec.decode_image(data, key="bomb")
+    assert e.value.key == "bomb" and e.value.reason == "too_large"
+    with pytest.raises(DecodeLimitError) as e:
+        dec.decode_resized_crop(data, ResizedCrop(size=(56, 56)).plan, key="bomb", reduce=reduce)
+    assert e.value.key == "bomb" and e.value.reason == "too_large"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduce", [False, True])
+def test_jpeg_with_two_frame_headers_is_corrupt_not_cropped_wrong(backend, reduce):
+    """A frame header claiming another size before the real one (the header walk plans the
+    crop from the first, Pillow reads the last): an error, never a crop planned for a size
+    the pixels do not have."""
+    from fastmm.dataset import ResizedCrop
+
+    jpg = _jpegs()["baseline"]
+    sof = jpg.index(b"\xff\xc0")
+    length = struct.unpack(">H", jpg[sof + 2:sof + 4])[0]
+    real = jpg[sof:sof + 2 + length]
+    data = jpg[:sof] + _with_frame_size(real, 64, 48) + jpg[sof:]
+    torch.manual_seed(0)
+    with pytest.raises(DecodeError) as e:
+        get_decoder(backend).decode_resized_crop(data, ResizedCrop(size=(16, 16)).plan,
+                                                 key="two", reduce=reduce)
+    assert e.value.key == "two" and e.value.reason == "corrupt"

@@ -72,6 +72,8 @@ class ResizedCrop:
         object.__setattr__(self, "size", size)
         if self.mode not in ("random", "center"):
             raise ValueError(f"mode={self.mode!r}; use 'random' or 'center'")
+        # torchvision's float32 logs, computed once (as Python floats: the same draws)
+        object.__setattr__(self, "_log_ratio", torch.log(torch.tensor(self.ratio)).tolist())
 
     def plan(self, width: int, height: int) -> CropPlan:
         out_h, out_w = self.size
@@ -86,7 +88,7 @@ class ResizedCrop:
     def _random_box(self, width: int, height: int) -> tuple[int, int, int, int]:
         # torchvision.transforms.v2.RandomResizedCrop._get_params, draw for draw
         area = height * width
-        log_ratio = torch.log(torch.tensor(self.ratio))
+        log_ratio = self._log_ratio
         for _ in range(10):
             target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
             aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1]).item())

@@ -34,7 +34,7 @@ class Decoder:
             if reduce_to is not None and im.format == "JPEG":
                 h, w = reduce_to
                 im.draft("RGB", (w, h))
-            return self._pixels(im, key, _to_tensor)
+            return self.pixels(im, key, to_tensor)
 
     def decode_resized_crop(
         self, data: bytes, plan: Callable[[int, int], CropPlan], *, key: str = "",
@@ -52,11 +52,11 @@ class Decoder:
         with open_image_header(data, key, self.limits) as im:
             p = plan(im.width, im.height)
             if not reduce:
-                return self._pixels(im, key, lambda img: _pil_resized_crop(img, p))
+                return self.pixels(im, key, lambda img: _pil_resized_crop(img, p))
             scale = self.draft(im, p)
             if scale is not None:
                 return self.reduced_crop(im, p, scale, key)
-            return self._pixels(im, key, lambda img: crop_resize(_hwc_view(img), p))
+            return self.pixels(im, key, lambda img: crop_resize(hwc_view(img), p))
 
     def draft(self, im: Image.Image, p: CropPlan) -> tuple[float, float] | None:
         """Ask libjpeg for the smallest DCT scale that keeps the crop box at least as large as
@@ -73,10 +73,10 @@ class Decoder:
         """Decode a drafted JPEG and resize from the plan's box, scaled, at sub-pixel precision."""
         sx, sy = scale
         box = (p.left * sx, p.top * sy, (p.left + p.width) * sx, (p.top + p.height) * sy)
-        return self._pixels(im, key, lambda img: _pil_resized_crop(img, p, box))
+        return self.pixels(im, key, lambda img: _pil_resized_crop(img, p, box))
 
     @staticmethod
-    def _pixels(im: Image.Image, key: str, convert) -> torch.Tensor:
+    def pixels(im: Image.Image, key: str, convert) -> torch.Tensor:
         try:
             return convert(im)
         except DecodeError:
@@ -99,19 +99,19 @@ def _pil_resized_crop(img: Image.Image, p: CropPlan, box=None) -> torch.Tensor:
             img = img.resize(size, Image.BILINEAR)
     if p.flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
-    return _to_tensor(img)
+    return to_tensor(img)
 
 
-def _hwc_view(im: Image.Image) -> torch.Tensor:
+def hwc_view(im: Image.Image) -> torch.Tensor:
     """The decoded pixels as a 3xHxW view of one HxWx3 copy (torch's resize takes it as is)."""
     if im.mode != "RGB":
-        return _to_tensor(im)
+        return to_tensor(im)
     with warnings.catch_warnings():  # read-only memory: only read by the resize
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(np.asarray(im)).permute(2, 0, 1)
 
 
-def _to_tensor(im: Image.Image) -> torch.Tensor:
+def to_tensor(im: Image.Image) -> torch.Tensor:
     """The colour rules of fastmm.decode.base, in Pillow terms."""
     if im.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit gray: top 8 bits, as other backends
         a = np.asarray(im).astype(np.int64).clip(0, 65535) >> 8

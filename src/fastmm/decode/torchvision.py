@@ -20,12 +20,14 @@ from .base import (
     DecodeLimits,
     LibraryDecoder,
     crop_resize,
+    jpeg_size,
     open_image_header,
     probe_image,
     to_rgb_chw,
 )
 from .pil import Decoder as PilDecoder
-from .pil import _to_tensor as pil_to_tensor
+from .pil import hwc_view
+from .pil import to_tensor as pil_to_tensor
 
 
 def _decode(data: bytes) -> torch.Tensor:
@@ -62,18 +64,32 @@ class Decoder(LibraryDecoder):
         reduce: bool = False,
     ) -> torch.Tensor:
         """Decode, crop and resize as ``plan(width, height)`` says, the plan made from the
-        header. libjpeg-turbo decodes straight into a tensor, cropped as a view and resized by
-        torch's vectorised uint8 kernel. With ``reduce``, a JPEG whose crop box is at least twice
-        the output size is decoded at a DCT-reduced scale, through Pillow (torchvision does not
+        header (a JPEG's frame header is read directly, other formats' through Pillow).
+        libjpeg-turbo decodes straight into a tensor, cropped as a view and resized by torch's
+        vectorised uint8 kernel. With ``reduce``, a JPEG whose crop box is at least twice the
+        output size is decoded at a DCT-reduced scale, through Pillow (torchvision does not
         expose libjpeg's scaling)."""
+        size = jpeg_size(data)
+        if size is not None:
+            self.limits.check_image(*size, key)
+            return self._jpeg_resized_crop(data, plan(*size), key, reduce)
         im = open_image_header(data, key, self.limits, unidentified_ok=True)
         if im is None:  # a header Pillow does not know: decode first, plan from the pixels
             return super().decode_resized_crop(data, plan, key=key)
         with im:
             p = plan(im.width, im.height)
-            scale = self._pil.draft(im, p) if reduce else None
-            if scale is not None:
-                return self._pil.reduced_crop(im, p, scale, key)
+            if data.startswith(b"\xff\xd8"):  # a JPEG whose header only Pillow could read
+                return self._jpeg_resized_crop(data, p, key, reduce)
+            return self._pil.pixels(im, key, lambda img: crop_resize(hwc_view(img), p))
+
+    def _jpeg_resized_crop(self, data: bytes, p: CropPlan, key: str, reduce: bool) -> torch.Tensor:
+        if reduce and p.width >= 2 * p.out_width and p.height >= 2 * p.out_height:
+            # a box under twice the output in either direction never gets a reduced scale, so
+            # only these are opened in Pillow
+            with open_image_header(data, key, self.limits) as im:
+                scale = self._pil.draft(im, p)
+                if scale is not None:
+                    return self._pil.reduced_crop(im, p, scale, key)
         try:
             img = _decode(data)
         except Exception as e:
