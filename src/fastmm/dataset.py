@@ -197,6 +197,10 @@ class _CountersOf:
     def row(self, worker_id: int | None) -> list[int]:
         return [n for c in self.parts for n in c.row(worker_id)]
 
+    def met(self) -> int:
+        """Bad samples met so far (skipped or replaced), in every process."""
+        return sum(sum(c.totals()[0].values()) for c in self.parts)
+
     def set_row(self, worker_id: int | None, counts: list[int]) -> None:
         for c, part in zip(self.parts, self._split(counts)):
             c.set_row(worker_id, part)

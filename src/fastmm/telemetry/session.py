@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from .._wrappers import all_wrapped
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, distribution
 from .recorder import STAGES, SpanLog, TimedCollate, deactivate, wrap_dataset
@@ -31,8 +30,10 @@ from .sampler import Sampler
 def _skipped(dataset) -> int:
     """Samples the MultimodalDatasets ``dataset`` is or wraps (Subset, ShardStream,
     ConcatDataset) left out or replaced so far, in every process."""
-    return sum(sum(counters.totals()[0].values())
-               for counters in all_wrapped(dataset, "_counters") if hasattr(counters, "totals"))
+    from ..dataset import skip_counters  # not at the top: fastmm.dataset imports telemetry
+
+    counters = skip_counters(dataset)
+    return counters.met() if counters is not None else 0
 
 
 class Telemetry:
