@@ -36,13 +36,14 @@ STEP = os.path.join(REPO, "benchmarks", "steps", "image-224-small.toml")
 def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]:
     """(name, command, its report file) for every part."""
     py = [sys.executable, "-m"]
-    # Sized so that the whole job stays under 10 minutes on a 2-core machine, slow days
-    # included: 568 s on 2026-12-01, a day this machine ran a Python loop 2-4x slower than
-    # usual (724 s on a better day with the loader's decode-b256 case and 400 staged images).
-    # Each part's own default run is fuller: both decode batch sizes, 400 images to stage,
-    # three shard sizes.
+    # Sized so that the whole job stays well under 10 minutes on a 2-core machine, slow days
+    # included: 545 s on 2026-12-02 from an empty cache, a day this machine ran a Python loop
+    # 3-6x slower than on quiet ones, with the loader's transport-clone case (about 60 s; now
+    # left to the loader's own run). Each part's own default run is fuller: both transport
+    # cases, both decode batch sizes, 400 images to stage, three shard sizes.
     loader = ["--quick"] if quick else ["--reps", "3", "--mem-reps", "1", "--min-seconds", "2",
-                                        "--num-images", "600", "--decode-batch-sizes", "32"]
+                                        "--clip-modes", "view", "--num-images", "600",
+                                        "--decode-batch-sizes", "32"]
     staging = ["--quick"] if quick else ["--images", "240"]
     gpu_decode = ["--quick"] if quick else []
     shards = ["--quick"] if quick else ["--images", "160", "--shard-bytes", "1000000"]
