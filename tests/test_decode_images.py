@@ -100,6 +100,30 @@ def test_png_bit_exact_with_colour_rules(backend, mode):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduce", [False, True])
+@pytest.mark.parametrize("mode", list(_modes()))
+def test_png_crops_are_the_decoded_pixels_cropped(backend, reduce, mode):
+    """decode_resized_crop on a PNG gives crop_resize of its exact pixels (whatever library the
+    backend decodes PNGs with), with the crop planned for the PNG's own size."""
+    from fastmm.dataset import ResizedCrop
+    from fastmm.decode.base import crop_resize
+
+    im = _modes()[mode]
+    plans = []
+
+    def plan(width, height):
+        plans.append((width, height))
+        torch.manual_seed(3)
+        return ResizedCrop(size=(5, 7)).plan(width, height)
+
+    out = get_decoder(backend).decode_resized_crop(encode(im), plan, key="k", reduce=reduce)
+    if backend == "pil" and not reduce:  # Pillow's own resize: checked against torchvision's
+        return                            # elsewhere
+    assert plans == [(im.width, im.height)]
+    assert torch.equal(out, crop_resize(_expected(im), plan(im.width, im.height)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["smooth", "noise", "gray", "cmyk", "420"])
 def test_jpeg_within_tolerance_of_pil(backend, kind):
     a = _smooth() if kind != "noise" else _rgb(96, 128)
