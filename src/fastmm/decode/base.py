@@ -318,20 +318,25 @@ class LibraryDecoder:
     ) -> torch.Tensor:
         """uint8 3xHxW RGB (``reduce_to`` is accepted and ignored: full size)."""
         probe_image(data, key, self.limits)
-        try:
-            img = self._decode_chw(data)
-        except Exception as e:
-            raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
-        return to_rgb_chw(img, key, self.limits)
+        return to_rgb_chw(self._decoded(data, key), key, self.limits)
 
     def decode_resized_crop(
         self, data: bytes, plan: Callable[[int, int], CropPlan], *, key: str = "",
         reduce: bool = False,
     ) -> torch.Tensor:
         """Decode, then crop and resize as ``plan(width, height)`` says (``reduce`` is a hint
-        this backend ignores: it decodes at full size)."""
-        img = self.decode_image(data, key=key)
+        this backend ignores: it decodes at full size). The crop reads the decoder's memory as
+        it is: only the output is copied."""
+        probe_image(data, key, self.limits)
+        img = to_rgb_chw(self._decoded(data, key), key, self.limits, contiguous=False)
         return crop_resize(img, plan(img.shape[-1], img.shape[-2]))
+
+    def _decoded(self, data: bytes, key: str) -> torch.Tensor:
+        """The library's CHW tensor; any error of the library is a DecodeError "corrupt"."""
+        try:
+            return self._decode_chw(data)
+        except Exception as e:
+            raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
         raise NotImplementedError

@@ -100,7 +100,7 @@ class Decoder(LibraryDecoder):
             if data.startswith(b"\xff\xd8"):  # a JPEG whose header only Pillow could read
                 return self._jpeg_resized_crop(data, p, key, reduce)
             if im.format == "PNG" and _png_decoder() is not None:
-                img = to_rgb_chw(self._library(data, key), key, contiguous=False)
+                img = to_rgb_chw(self._decoded(data, key), key, contiguous=False)
                 if img.shape[-2:] != (im.height, im.width):
                     raise DecodeError("corrupt", key, f"decoded {tuple(img.shape[-2:])}, the "
                                       f"header says {(im.height, im.width)}")
@@ -115,14 +115,8 @@ class Decoder(LibraryDecoder):
                 scale = self._pil.draft(im, p)
                 if scale is not None:
                     return self._pil.reduced_crop(im, p, scale, key)
-        img = self._library(data, key)
+        img = self._decoded(data, key)
         return crop_resize(to_rgb_chw(img, key, self.limits, contiguous=False), p)
-
-    def _library(self, data: bytes, key: str) -> torch.Tensor:
-        try:
-            return _decode(data)
-        except Exception as e:
-            raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
 
     def decode_jpeg_batch(self, datas: list[bytes], *, keys: list[str] | None = None):
         """Decode JPEGs together; on CUDA through nvJPEG in one call (GPU check pending).
