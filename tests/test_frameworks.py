@@ -17,6 +17,7 @@ import torch
 
 import fastmm
 
+
 L = pytest.importorskip("lightning")
 
 

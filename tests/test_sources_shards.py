@@ -1,4 +1,5 @@
-"""ShardSource and write_shards: webdataset interop both ways, index vs stream, bad and hostile tars."""
+"""ShardSource and write_shards: webdataset interop both ways (and webdataset pipelines in
+fastmm's loader), index vs stream, bad and hostile tars."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import os
 import pathlib
 import tarfile
 
+import numpy as np
 import pytest
+import torch
 
+import fastmm
 from fastmm.sources import Sample, ShardSource, SourceError, open_source, slot_of, write_shards
 from fastmm.sources.base import Progress
 
@@ -316,3 +320,36 @@ def test_sources_import_nothing_they_must_not():
                 assert not any(
                     name == b or name.startswith(b + ".") for b in banned
                 ), f"{path.name} imports {name}"
+
+
+def _webdataset_pipeline(urls, batched: bool):
+    pipe = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None,
+                           workersplitter=wds.split_by_worker)
+            .decode("torchrgb").to_tuple("png", "cls")
+            .map_tuple(lambda image: image[:, :8, :8], int))
+    return pipe.batched(4) if batched else pipe
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_webdataset_pipeline_gives_torchs_batches(tmp_path, transport, batched):
+    """A webdataset pipeline (an IterableDataset splitting shards by worker through torch's
+    get_worker_info) in fastmm's loader: the batches torch's loader gives."""
+    from PIL import Image
+
+    with wds.ShardWriter(str(tmp_path / "s-%06d.tar"), maxcount=10, verbose=0) as sink:
+        for i in range(45):  # 5 shards for 2 workers; images of 3 sizes, cropped alike
+            png = io.BytesIO()
+            Image.fromarray(np.full((8 + i % 3, 9, 3), i, np.uint8)).save(png, "PNG")
+            sink.write({"__key__": f"k{i:04d}", "png": png.getvalue(), "cls": str(i).encode()})
+    urls = sorted(str(p) for p in tmp_path.glob("s-*.tar"))
+    batches = {}
+    for cls in (torch.utils.data.DataLoader, fastmm.DataLoader):
+        loader = cls(_webdataset_pipeline(urls, batched), num_workers=2,
+                     batch_size=None if batched else 4)
+        batches[cls] = [(images.clone(), labels.tolist())
+                        for images, labels in loader]
+    ours, torchs = batches[fastmm.DataLoader], batches[torch.utils.data.DataLoader]
+    assert len(ours) == len(torchs) > 10
+    for (a, la), (b, lb) in zip(ours, torchs):
+        assert torch.equal(a, b) and la == lb
+    assert sorted(i for _, labels in ours for i in labels) == list(range(45))
