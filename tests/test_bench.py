@@ -372,7 +372,41 @@ def test_pipelines_quick_run_records_every_repetition(tmp_path):
     ratios = video["ratios_over_baselines"]
     assert {"fastmm (torchcodec) / torch + PyAV",
             "fastmm (torchcodec) / fastmm, every frame decoded"} <= set(ratios)
-    assert "fastmm, exact (pil) / fastmm" not in result["cases"]["image"]["ratios_over_baselines"]
+    image = result["cases"]["image"]["ratios_over_baselines"]
+    assert "fastmm, exact (pil) / fastmm" not in image
+    assert ("fastmm / DALI (CPU pipeline)" in image) == pipelines._installed("nvidia.dali")
+
+
+def test_dali_arm_yields_uint8_batches_of_the_output_size(tmp_path):
+    """The DALI arm of the pipelines benchmark: JPEGs and PNGs of any size in, uint8
+    Bx3x224x224 batches of those images out, in an order drawn from torch's seed."""
+    pytest.importorskip("nvidia.dali")
+    from PIL import Image
+
+    from fastmm.bench.pipelines import SIZE, DaliImageLoader
+
+    files = []
+    for i, (fmt, h, w) in enumerate([("JPEG", 300, 400), ("PNG", 250, 260), ("JPEG", 500, 230),
+                                     ("PNG", 230, 300), ("JPEG", 240, 240)]):
+        path = tmp_path / f"{i}.{fmt.lower()}"
+        Image.fromarray(np.full((h, w, 3), 40 * i, np.uint8)).save(path, fmt)
+        files.append(str(path))
+
+    def colours(seed):
+        """The flat colour of each image of the first 6 batches, to the nearest 40."""
+        torch.manual_seed(seed)
+        batches = iter(DaliImageLoader(files, batch_size=5, num_workers=2))
+        out = []
+        for _ in range(6):
+            batch = next(batches)
+            assert batch.shape == (5, 3, SIZE, SIZE) and batch.dtype == torch.uint8
+            assert (batch.float() - batch[:, :, :1, :1].float()).abs().max() <= 2  # flat
+            out += [40 * round(v / 40) for v in batch[:, 0, 0, 0].tolist()]
+        return out
+
+    first = colours(0)
+    assert set(first) == {0, 40, 80, 120, 160}
+    assert colours(0) == first and colours(1) != first
 
 
 def test_resume_cost_quick_run_times_both_ways(tmp_path):

@@ -6,6 +6,9 @@ typically writes, on the generated multimodal corpus, same output size, batch an
   MultimodalDataset's fast path (torchvision backend, reduce=True: crop planned from the header,
   libjpeg-turbo decode into a tensor, JPEG DCT-reduced decode when the crop allows it, torch's
   uint8 resize) and its exact path (pil backend: bit-exact with the torch arm);
+- images, where NVIDIA DALI is installed: DALI's own CPU pipeline as its documentation writes
+  one (file reader, fused decode + random crop, antialiased resize, coin-flip mirror; its
+  ``num_threads`` equal to the other arms' workers), in place of a DataLoader;
 - video: 16-frame clips at 224x224 (frames every 2nd source frame from a random start): torch
   DataLoader over a Dataset that decodes with torchcodec (then v2 Resize(224) + CenterCrop(224)),
   the same with PyAV, against fastmm.DataLoader over MultimodalDataset (torchcodec backend,
@@ -13,7 +16,8 @@ typically writes, on the generated multimodal corpus, same output size, batch an
   non-reference frames the clip does not return (decode.mp4; the same pixels).
 
 Every arm's frame and crop choices come from the same random draws (ClipSpec, and torchvision's
-RandomResizedCrop order), so all arms do the same work. Repetitions are interleaved (A B C A B C)
+RandomResizedCrop order), so all arms do the same work; DALI's arm draws its own crops and
+order (the same area and aspect-ratio ranges as RandomResizedCrop's). Repetitions are interleaved (A B C A B C)
 after an untimed warm-up; figures are medians with min-max. Run:
 ``python -m fastmm.bench.pipelines --out DIR`` (``--quick`` for a smoke run).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -123,6 +128,46 @@ class PyAVClipDataset(Dataset):
         return _resize_crop(clip)
 
 
+class DaliImageLoader:
+    """DALI's CPU image pipeline, iterated like a loader: batches of uint8 Bx3xSIZExSIZE torch
+    tensors (one copy out of DALI's memory, as its PyTorch iterator makes). It takes the
+    DataLoader arguments the benchmark passes and ignores the sampler: DALI's reader shuffles
+    (seeded from torch's seed, so each repetition differs as the other arms' do)."""
+
+    def __init__(self, files: list[str], *, batch_size: int, num_workers: int, sampler=None):
+        self.files, self.batch_size, self.threads = files, batch_size, max(1, num_workers)
+        self.seed = torch.initial_seed() % 2**31
+
+    def __iter__(self):
+        from nvidia.dali import fn, pipeline_def, types
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=None,
+                      seed=self.seed)
+        def images():
+            encoded, _ = fn.readers.file(files=self.files, random_shuffle=True)
+            # libjpeg-turbo decodes only the crop's region of a JPEG
+            img = fn.decoders.image_random_crop(encoded, device="cpu", output_type=types.RGB)
+            img = fn.resize(img, size=(SIZE, SIZE), antialias=True)
+            img = fn.flip(img, horizontal=fn.random.coin_flip())
+            return fn.transpose(img, perm=[2, 0, 1])
+
+        pipe = images()
+        pipe.build()
+        try:
+            while True:
+                (out,) = pipe.run()
+                yield torch.from_numpy(out.as_array())
+        finally:
+            del pipe  # its threads end here, before the next arm forks workers
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package is missing too
+        return False
+
+
 def ensure_mmcorpus(spec: CorpusSpec, cache_dir) -> str:
     """The multimodal corpus of ``spec`` in the cache, generated once."""
     key = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
@@ -149,13 +194,16 @@ def _arms(root: str, workload: str, batch: int, workers: int):
     if workload == "image":
         files = _files(root, ("jpg", "png"))
         ours = dict(source="posix", modality="image", size=SIZE, transform=media)
-        return {
+        arms = {
             "torch (PIL + v2)": (torch.utils.data.DataLoader, TorchImageDataset(files)),
             "fastmm": (fastmm.DataLoader, MultimodalDataset(
                 manifest, decoder="torchvision", reduce=True, **ours)),
             "fastmm, exact (pil)": (fastmm.DataLoader, MultimodalDataset(
                 manifest, decoder="pil", **ours)),
         }
+        if _installed("nvidia.dali"):
+            arms["DALI (CPU pipeline)"] = (DaliImageLoader, files)
+        return arms
     from ..decode.torchcodec import Decoder
 
     files = _files(root, ("mp4",))
