@@ -322,6 +322,23 @@ def test_jpeg_size_gives_none_for_anything_it_cannot_read():
         assert size is None or (size[0] > 0 and size[1] > 0)
 
 
+def test_dali_takes_8_bit_output_only_for_8_bit_images():
+    """DALI's 8-bit output (4x faster) for 8-bit JPEGs and PNGs; its 16-bit one for anything
+    that may hold more bits (16-bit PNG, 12-bit JPEG, formats not read here). The pixels are
+    checked for every colour mode in test_png_bit_exact_with_colour_rules."""
+    pytest.importorskip("nvidia.dali")
+    from fastmm.decode.dali import _may_be_wide
+
+    jpg = _jpegs()["baseline"]
+    sof = jpg.index(b"\xff\xc0")
+    assert not _may_be_wide(jpg) and not _may_be_wide(_jpegs()["progressive"])
+    assert _may_be_wide(jpg[:sof + 4] + bytes([12]) + jpg[sof + 5:])  # 12-bit precision
+    for mode, wide in [("RGB", False), ("P", False), ("1", False), ("I;16", True)]:
+        assert _may_be_wide(encode(_modes()[mode])) == wide, mode
+    for fmt in ("TIFF", "BMP", "WEBP"):
+        assert _may_be_wide(encode(_modes()["RGB"], fmt))
+
+
 def _with_frame_size(data: bytes, width: int, height: int) -> bytes:
     sof = data.index(b"\xff\xc0")
     return data[:sof + 5] + struct.pack(">HH", height, width) + data[sof + 9:]

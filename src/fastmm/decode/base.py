@@ -231,9 +231,19 @@ _JPEG_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xC
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """A JPEG's (width, height) from its frame header, found by walking the marker segments
-    (a few microseconds; Pillow's open takes ~0.2 ms). None for anything else, or where the
-    walk finds no usable size: callers then open the image with Pillow as before."""
+    """A JPEG's (width, height) from its frame header (a few microseconds; Pillow's open takes
+    ~0.2 ms). None for anything else, or where no usable size is found: callers then open the
+    image with Pillow as before."""
+    frame = jpeg_frame_header(data)
+    if frame is None:
+        return None
+    height, width = struct.unpack_from(">HH", data, frame + 5)
+    return (width, height) if width and height else None  # 0: height in a DNL
+
+
+def jpeg_frame_header(data: bytes) -> int | None:
+    """Offset of a JPEG's frame header (SOFn marker: then length, precision, height, width),
+    found by walking the marker segments; None for anything else or a header cut short."""
     if not data.startswith(b"\xff\xd8"):
         return None
     i, n = 2, len(data)
@@ -244,10 +254,7 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
         if marker == 0xFF:  # fill byte
             i += 1
         elif marker in _JPEG_SOF:
-            if i + 9 > n:
-                return None
-            height, width = struct.unpack_from(">HH", data, i + 5)
-            return (width, height) if width and height else None  # 0: height in a DNL
+            return i if i + 9 <= n else None
         elif marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # no length field
             i += 2
         elif marker in (0xD9, 0xDA):  # end of image, or scan data before any frame header
