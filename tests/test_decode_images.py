@@ -339,6 +339,25 @@ def test_dali_takes_8_bit_output_only_for_8_bit_images():
         assert _may_be_wide(encode(_modes()["RGB"], fmt))
 
 
+@pytest.mark.parametrize("name", list(_jpegs()))
+def test_dali_decodes_only_the_crop_with_the_same_pixels(name):
+    """DALI's region-of-interest decode of a JPEG crop gives the pixels of the whole image
+    decoded, then cropped and resized the same way."""
+    pytest.importorskip("nvidia.dali")
+    from fastmm.dataset import ResizedCrop
+    from fastmm.decode.base import crop_resize
+
+    data, dec = _jpegs()[name], get_decoder("dali")
+    whole = dec.decode_image(data)
+    for seed in range(4):
+        def plan(width, height):
+            torch.manual_seed(seed)
+            return ResizedCrop(size=(24, 32)).plan(width, height)
+
+        out = dec.decode_resized_crop(data, plan, key="k")
+        assert torch.equal(out, crop_resize(whole, plan(whole.shape[-1], whole.shape[-2])))
+
+
 def _with_frame_size(data: bytes, width: int, height: int) -> bytes:
     sof = data.index(b"\xff\xc0")
     return data[:sof + 5] + struct.pack(">HH", height, width) + data[sof + 9:]

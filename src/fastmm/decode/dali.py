@@ -1,4 +1,5 @@
-"""NVIDIA DALI decoder: one small pipeline per decoder object, fed one image per run.
+"""NVIDIA DALI decoder: small pipelines per decoder object (8-bit, 16-bit, and a JPEG crop
+decoding only its region), each fed one image per run.
 
 CPU mode (``device="cpu"``: a pipeline with ``device_id=None``) runs anywhere and is tested.
 ``device="cuda[:N]"`` uses DALI's "mixed" decoder (nvJPEG / nvImageCodec on the GPU) and
@@ -10,12 +11,22 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Callable
 
 import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
-from .base import DecodeLimits, LibraryDecoder, jpeg_frame_header
+from .base import (
+    CropPlan,
+    DecodeError,
+    DecodeLimits,
+    LibraryDecoder,
+    crop_resize,
+    jpeg_frame_header,
+    jpeg_size,
+    to_rgb_chw,
+)
 
 
 # A DALI pipeline that became cyclic garbage must not be finalized in a forked child: its
@@ -31,41 +42,81 @@ class Decoder(LibraryDecoder):
 
     def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
         super().__init__(device=device, limits=limits)
-        self._pipes: dict[bool, object] = {}  # wide output? -> built pipeline
+        self._pipes: dict[str, object] = {}  # "8 bits", "16 bits" or "crop" -> built pipeline
 
     def __getstate__(self):  # a built pipeline cannot travel to worker processes
         return {**self.__dict__, "_pipes": {}}
 
-    def _build(self, wide: bool):
+    def decode_resized_crop(
+        self, data: bytes, plan: Callable[[int, int], CropPlan], *, key: str = "",
+        reduce: bool = False,
+    ) -> torch.Tensor:
+        """An 8-bit JPEG's crop is planned from its frame header and only the crop's region is
+        decoded (DALI's region-of-interest decode: the same pixels as cropping the whole
+        image, 25% less time per 224 crop here); other images as every library backend does."""
+        size = jpeg_size(data)
+        if size is None or _may_be_wide(data):
+            return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
+        self.limits.check_image(*size, key)
+        p = plan(*size)
+        window = np.array([p.top, p.left], np.int32), np.array([p.height, p.width], np.int32)
+        try:
+            region, shape = self._run("crop", data, *window)
+        except RuntimeError as e:
+            raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
+        if tuple(shape[:2]) != size[::-1]:  # the decoder read another frame header
+            raise DecodeError("corrupt", key, f"the decoder sees {tuple(shape[:2])}, the frame "
+                              f"header says {size[::-1]}")
+        img = to_rgb_chw(region.permute(2, 0, 1), key, contiguous=False)
+        return crop_resize(img, p._replace(top=0, left=0))
+
+    def _decode_chw(self, data: bytes) -> torch.Tensor:
+        (hwc,) = self._run("16 bits" if _may_be_wide(data) else "8 bits", data)
+        return hwc.permute(2, 0, 1)
+
+    def _run(self, kind: str, data: bytes, *window: np.ndarray) -> list:
+        """One image through the pipeline of that kind: the HWC pixels as a torch tensor (then,
+        from the crop pipeline, the shape DALI read, as a numpy array); RuntimeError if DALI
+        fails."""
+        if kind not in self._pipes:
+            self._pipes[kind] = self._build(kind)
+        pipe = self._pipes[kind]
+        try:
+            pipe.feed_input("enc", [np.frombuffer(data, np.uint8)])
+            if window:
+                pipe.feed_input("anchor", [window[0]])
+                pipe.feed_input("shape", [window[1]])
+            outs = pipe.run()
+        except Exception as e:
+            del self._pipes[kind]  # a failed run may leave it unusable; rebuild next time
+            raise RuntimeError(str(e)[:300]) from None  # DALI's messages run to pages
+        if self.device.startswith("cuda"):
+            first = torch.from_dlpack(outs[0].as_tensor()._expose_dlpack_capsule())[0]
+        else:
+            first = torch.from_numpy(np.array(outs[0].at(0)))
+        return [first, *(np.array(o.at(0)) for o in outs[1:])]  # peek_image_shape: a CPU op
+
+    def _build(self, kind: str):
         gpu = self.device.startswith("cuda")
         device_id = (int(self.device.split(":")[1]) if ":" in self.device else 0) if gpu else None
-        dtype = types.DALIDataType.UINT16 if wide else types.DALIDataType.UINT8
+        where = "mixed" if gpu else "cpu"
 
         @pipeline_def(batch_size=1, num_threads=1, device_id=device_id, prefetch_queue_depth=1)
         def pipe():
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
-            return fn.decoders.image(enc, device="mixed" if gpu else "cpu",
-                                     output_type=types.RGB, dtype=dtype)
+            if kind != "crop":
+                dtype = types.DALIDataType.UINT16 if kind == "16 bits" else types.DALIDataType.UINT8
+                return fn.decoders.image(enc, device=where, output_type=types.RGB, dtype=dtype)
+            anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
+            shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
+            region = fn.decoders.image_slice(enc, anchor, shape, device=where,
+                                             output_type=types.RGB, axis_names="HW",
+                                             normalized_anchor=False, normalized_shape=False)
+            return region, fn.peek_image_shape(enc)
 
         p = pipe()
         p.build()
         return p
-
-    def _decode_chw(self, data: bytes) -> torch.Tensor:
-        wide = _may_be_wide(data)
-        if wide not in self._pipes:
-            self._pipes[wide] = self._build(wide)
-        try:
-            self._pipes[wide].feed_input("enc", [np.frombuffer(data, np.uint8)])
-            (out,) = self._pipes[wide].run()
-        except Exception as e:
-            del self._pipes[wide]  # a failed run may leave it unusable; rebuild next time
-            raise RuntimeError(str(e)[:300]) from None  # DALI's messages run to pages
-        if self.device.startswith("cuda"):
-            hwc = torch.from_dlpack(out.as_tensor()._expose_dlpack_capsule())[0]
-        else:
-            hwc = torch.from_numpy(np.array(out.at(0)))
-        return hwc.permute(2, 0, 1)
 
 
 def _may_be_wide(data: bytes) -> bool:
