@@ -227,6 +227,7 @@ def open_image_header(data: bytes, key: str, limits: DecodeLimits, *,
     return im
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _JPEG_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
 
@@ -338,10 +339,11 @@ class LibraryDecoder:
         img = to_rgb_chw(self._decoded(data, key), key, self.limits, contiguous=False)
         return crop_resize(img, plan(img.shape[-1], img.shape[-2]))
 
-    def _decoded(self, data: bytes, key: str) -> torch.Tensor:
-        """The library's CHW tensor; any error of the library is a DecodeError "corrupt"."""
+    def _decoded(self, data: bytes, key: str, decode=None):
+        """What ``decode(data)`` gives (by default the library's CHW tensor,
+        ``_decode_chw``); any error of the library is a DecodeError "corrupt"."""
         try:
-            return self._decode_chw(data)
+            return (decode or self._decode_chw)(data)
         except Exception as e:
             raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
 

@@ -18,6 +18,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from .base import (
+    PNG_SIGNATURE,
     CropPlan,
     DecodeError,
     DecodeLimits,
@@ -60,10 +61,7 @@ class Decoder(LibraryDecoder):
         self.limits.check_image(*size, key)
         p = plan(*size)
         window = np.array([p.top, p.left], np.int32), np.array([p.height, p.width], np.int32)
-        try:
-            region, shape = self._run("crop", data, *window)
-        except RuntimeError as e:
-            raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
+        region, shape = self._decoded(data, key, lambda d: self._run("crop", d, *window))
         if tuple(shape[:2]) != size[::-1]:  # the decoder read another frame header
             raise DecodeError("corrupt", key, f"the decoder sees {tuple(shape[:2])}, the frame "
                               f"header says {size[::-1]}")
@@ -127,6 +125,6 @@ def _may_be_wide(data: bytes) -> bool:
     frame = jpeg_frame_header(data)
     if frame is not None:
         return data[frame + 4] > 8  # sample precision: 8, or 12 (rare)
-    if data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR" and len(data) > 24:
+    if data.startswith(PNG_SIGNATURE) and data[12:16] == b"IHDR" and len(data) > 24:
         return data[24] > 8  # IHDR bit depth
     return True

@@ -20,6 +20,7 @@ from .base import (
     CropPlan,
     DecodeError,
     DecodeLimits,
+    PNG_SIGNATURE,
     LibraryDecoder,
     crop_resize,
     jpeg_size,
@@ -35,7 +36,7 @@ from .pil import to_tensor as pil_to_tensor
 def _decode(data: bytes) -> torch.Tensor:
     """JPEGs through torchvision (libjpeg-turbo), PNGs through torchcodec where it is installed,
     other formats through Pillow."""
-    if data.startswith(_PNG) and _png_decoder() is not None:
+    if data.startswith(PNG_SIGNATURE) and _png_decoder() is not None:
         return _png_decoder()(_as_tensor(data), mode="RGB", output_dtype="auto")
     if not data.startswith(b"\xff\xd8"):
         with Image.open(io.BytesIO(data)) as im:
@@ -49,9 +50,6 @@ def _decode(data: bytes) -> torch.Tensor:
 
 def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @functools.cache
