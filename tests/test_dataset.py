@@ -113,8 +113,8 @@ def test_video_resized_in_the_decoder(corpus):
     assert batch["video"].shape == (3, 2, 3, 48, 48)
 
 
-def _bad_corpus(tmp_path, good_root):
-    """Six samples: good, corrupt jpg, good, zero-byte, good, truncated png."""
+def _bad_corpus(tmp_path, good_root, order=range(6)):
+    """Six samples: good, corrupt jpg, good, zero-byte, good, truncated png (in `order`)."""
     good = MultimodalDataset(good_root, modality="image")
     datas = []
     for i in range(3):
@@ -132,7 +132,7 @@ def _bad_corpus(tmp_path, good_root):
         ("s5", {"png": png.getvalue()[:60], "cls": b"5"}),
     ]
     out = tmp_path / "bad"
-    write_shards(samples, str(out))
+    write_shards([samples[i] for i in order], str(out))
     return str(out)
 
 
@@ -159,6 +159,19 @@ def test_on_error_skip_and_replace_counted_across_workers(corpus, tmp_path, num_
     assert replace.skipped == {"corrupt": 2, "empty": 1} and replace.replaced == 3
     if num_workers == 0:
         assert any("s3" in r.getMessage() and ".tar:" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_bad_stand_in_is_counted_once_at_its_own_index(corpus, tmp_path, num_workers, caplog):
+    """s1 and s2 both bad: s1's slot tries s2 and passes over it; s2 is counted (and logged)
+    once, for its own index, so the epoch's counts are the bad samples."""
+    root = _bad_corpus(tmp_path, _roots(corpus)["posix"], order=[0, 1, 3, 2, 4, 5])
+    data = MultimodalDataset(root, source="shards", size=32, on_error="replace")
+    batches = list(fastmm.DataLoader(data, batch_size=3, num_workers=num_workers))
+    assert [b["label"].tolist() for b in batches] == [[0, 2, 2], [2, 4, 0]]
+    assert data.skipped == {"corrupt": 2, "empty": 1} and data.replaced == 3
+    if num_workers == 0:
+        assert sum("'s3'" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_missing_member_and_no_clip_spec_are_typed(corpus, tmp_path):

@@ -10,7 +10,9 @@ Bad input (a damaged sample in the source, bytes no decoder can read, a cap exce
 calls; a lone ``dataset[i]`` returns None); ``"replace"`` returns the next good sample instead,
 so batches stay full. Every skipped or replaced sample is logged with its key and origin (shard
 and byte offset for tar shards) and counted by reason in counters that all worker processes
-share, so ``dataset.skipped`` in the main process totals every worker's.
+share, so ``dataset.skipped`` in the main process totals every worker's. A sample is counted for
+the index it was drawn for, not again when it is tried as another's stand-in, so an epoch over
+every index counts each bad sample once.
 """
 
 from __future__ import annotations
@@ -427,7 +429,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
             except (SourceError, DecodeError) as e:
                 if self.on_error == "raise":
                     raise
-                self._count(e, replaced=self.on_error == "replace")
+                if attempt == 0:  # a bad stand-in is passed over, and counted at its own index
+                    self._count(e, replaced=self.on_error == "replace")
                 if self.on_error == "skip":
                     return None
         raise RuntimeError(
