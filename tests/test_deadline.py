@@ -6,6 +6,7 @@ exactly what it yields when that sample is plainly corrupt."""
 from __future__ import annotations
 
 import ctypes
+import pickle
 import time
 import warnings
 
@@ -275,9 +276,22 @@ def test_worker_errors_keep_their_type_and_fields(corpus, loader_class):
         for _ in loader_class(data, batch_size=4, num_workers=1):
             pass
     assert (caught.value.reason, caught.value.key) == ("corrupt", stuck[0])
-    text = "Caught SourceError ...\nfastmm.sources.base.SourceError: truncated: cut (key=\"a'b\", origin=/s.tar:512)\n"
-    error = SourceError(text)
-    assert (error.reason, error.key, str(error)) == ("truncated", "a'b", text)
+    origins = {s.key: s.origin for s in map(data.source.read, data._index())}
+    assert caught.value.origin == origins[stuck[0]] != ""
+
+
+@pytest.mark.parametrize("key", ["a'b", "paren (key='x', origin='y')", 'q"(key=\'x\', origin=\'\')'])
+def test_sample_error_fields_survive_text_and_pickle(key):
+    """A worker's error comes back as its text (torch) or pickled: reason, key and origin are
+    read back whole, even from a key that looks like the fields, and a message of many lines."""
+    error = SourceError("truncated", key, "/s (key='z').tar:512", "cut\nhere")
+    text = f"Caught SourceError ...\nfastmm.sources.base.SourceError: {error}\n"
+    for back in (SourceError(text), pickle.loads(pickle.dumps(error))):
+        assert (back.reason, back.key, back.origin) == ("truncated", key, "/s (key='z').tar:512")
+    assert str(SourceError(text)) == text and "\n" not in str(error)
+    decode = DecodeError("corrupt", key, "bad")
+    decode.origin = "f.jpg"  # the dataset names where the bytes came from
+    assert pickle.loads(pickle.dumps(decode)).origin == "f.jpg" and "'f.jpg'" in str(decode)
 
 
 @pytest.mark.timeout(60)

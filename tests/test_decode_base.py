@@ -96,7 +96,7 @@ def test_decode_does_not_import_sources_slabs_or_collate():
 def test_errors_are_value_errors_with_key_and_reason():
     e = DecodeError("corrupt", "a/b", "bad bytes")
     assert isinstance(e, ValueError) and (e.key, e.reason) == ("a/b", "corrupt")
-    assert str(e) == "corrupt: bad bytes (key='a/b')"
+    assert str(e) == "corrupt: bad bytes (key='a/b', origin='')"
     lim = DecodeLimitError("k", "too big")
     assert isinstance(lim, DecodeError) and lim.reason == "too_large" and lim.key == "k"
 

@@ -36,11 +36,8 @@ class DecodeError(SampleError):
     """Bytes that could not be decoded. ``reason`` is a short counter name: "empty", "corrupt",
     "too_large", "too_short", "no_video", "unsupported", "deadline"."""
 
-    def __init__(self, reason: str, key: str | None = None, message: str | None = None):
-        if key is None:  # re-raised from a worker's text (SampleError)
-            return super().__init__(reason)
-        ValueError.__init__(self, f"{reason}: {message} (key={key!r})")
-        self.reason, self.key = reason, key
+    def __init__(self, reason: str, key: str | None = None, message: str = ""):
+        super().__init__(reason, key, "", message)  # key None: a worker's text (SampleError)
 
 
 class DecodeLimitError(DecodeError):

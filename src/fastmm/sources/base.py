@@ -36,15 +36,6 @@ class Sample:
 class SourceError(SampleError):
     """Bad input met by a source; ``reason`` is the counter name used by on_error="skip"."""
 
-    def __init__(self, reason: str, key: str | None = None, origin: str = "",
-                 message: str = ""):
-        if key is None:  # re-raised from a worker's text (SampleError)
-            super().__init__(reason)
-            self.origin = ""
-            return
-        ValueError.__init__(self, f"{reason}: {message} (key={key!r}, origin={origin})")
-        self.reason, self.key, self.origin = reason, key, origin
-
 
 class Problem(NamedTuple):
     reason: str
