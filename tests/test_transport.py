@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -156,15 +157,18 @@ def test_nothing_left_after_delete_or_error(path, monkeypatch, helpers_before):
 
 _KILLED_MAIN = textwrap.dedent(
     """
-    import os, sys, time, torch, fastmm
+    import ctypes, os, sys, time, torch, fastmm
     from torch.utils.data import Dataset
 
     class Slow(Dataset):
         def __len__(self):
             return 10_000
         def __getitem__(self, i):
-            if i > 40:
-                time.sleep(0.5)  # workers are busy in user code when the main process dies
+            if i > 40:  # workers are busy in user code when the main process dies
+                if sys.argv[1] == "python":
+                    time.sleep(0.5)
+                else:  # stuck in C for 60 s with the GIL held: no Python thread can run
+                    ctypes.PyDLL(None).sleep(60)
             return torch.zeros(3, 256, 256, dtype=torch.uint8)
 
     loader = fastmm.DataLoader(Slow(), batch_size=4, num_workers=2)
@@ -176,12 +180,14 @@ _KILLED_MAIN = textwrap.dedent(
 )
 
 
-def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path):
+@pytest.mark.parametrize("stall", ["python", "c-holding-the-gil"])
+def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path, stall):
     with private_tmpfs("256m") as shm:
         script = tmp_path / "main.py"
         script.write_text(_KILLED_MAIN)
         env = {**os.environ, "FASTMM_SHM_DIR": shm}
-        main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+        main = subprocess.Popen([sys.executable, str(script), stall], stdout=subprocess.PIPE,
+                                env=env)
         try:
             pids = [int(p) for p in main.stdout.readline().split()]
             assert len(pids) == 2 and used_bytes(shm) > 0
@@ -192,6 +198,20 @@ def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path):
         finally:
             main.kill()
             main.stdout.close()
+
+
+def test_workers_started_from_a_thread_outlive_that_thread(path):
+    """The kernel's parent-death signal follows the thread that started a worker: workers that
+    a short-lived thread started keep serving the loop after that thread has ended."""
+    made = []
+    starter = threading.Thread(target=lambda: made.append(
+        iter(fastmm.DataLoader(Frames(64), batch_size=4, num_workers=2))))
+    starter.start()
+    starter.join()
+    time.sleep(0.5)
+    for step, batch in enumerate(made[0]):
+        _check(batch, 4 * step, 4)
+    assert step == 15
 
 
 def test_full_shm_is_a_clear_error_not_a_sigbus(path, monkeypatch, helpers_before):

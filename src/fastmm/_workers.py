@@ -18,10 +18,13 @@ Messages to the main process (on the worker's result connection), all tuples:
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import queue
 import random
+import signal
+import sys
 import threading
 import time
 
@@ -37,6 +40,7 @@ from .dataset import skip_counters
 from .slabs import IDLE_WORKER_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -90,10 +94,21 @@ class StopFlag:
         return bool(self._value.value)
 
 
-def _exit_when_orphaned() -> None:
-    """A daemon thread that ends this worker soon after the main process dies, even while
-    user code is busy: no worker outlives a ``kill -9`` of its parent by more than a moment."""
+def _exit_when_orphaned(parent_thread_is_main: bool) -> None:
+    """End this worker when the main process dies, even while user code is busy: no worker
+    outlives a ``kill -9`` of its parent by more than a moment.
+
+    On Linux, when the thread that started the worker lives as long as its process (the main
+    thread, or a forkserver's), the kernel sends SIGKILL the moment the parent dies
+    (PR_SET_PDEATHSIG), so a sample stuck in C with the GIL held cannot keep the worker alive.
+    The signal follows the starting thread, so for a worker started from another thread a daemon
+    thread polls for the parent instead (it needs the GIL)."""
     parent = os.getppid()
+    if parent_thread_is_main and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl in this libc: the thread below still watches
+            pass
 
     def watch():
         while os.getppid() == parent:
@@ -120,13 +135,14 @@ def worker_loop(
     shared_seed,
     transport,
     restore=(None, 0, None),
+    parent_thread_is_main=False,
 ):
     try:
         # Objects inherited from the main process (the dataset's lists, torch's modules) are
         # left out of this worker's garbage collections: a full collection writes into every
         # object it visits, which would copy each page holding one into this process.
         gc.freeze()
-        _exit_when_orphaned()
+        _exit_when_orphaned(parent_thread_is_main)
         signal_handling._set_worker_signal_handlers()
         torch.set_num_threads(1)
         seed = base_seed + worker_id

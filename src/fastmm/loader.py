@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable
 
@@ -334,6 +335,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
                 self._shared_seed,
                 self._transport,
                 restore,
+                self._context.get_start_method() == "forkserver"
+                or threading.current_thread() is threading.main_thread(),
             ),
             name=f"fastmm-worker-{worker_id}",
             daemon=True,
