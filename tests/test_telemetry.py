@@ -226,6 +226,11 @@ def test_fastmm_turns_it_on_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTMM_TELEMETRY", "loud")
     with pytest.raises(fastmm.ConfigError, match="FASTMM_TELEMETRY='loud'"):
         iter(loader)
+    monkeypatch.setenv("FASTMM_TELEMETRY", "summary")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FASTMM_TELEMETRY_DIR", str(tmp_path / "a-file"))
+    with pytest.raises(fastmm.ConfigError, match="FASTMM_TELEMETRY_DIR='.*a-file'.*writable"):
+        iter(loader)  # before the epoch, not after it
 
 
 def test_unwatch_gives_the_loader_back(loader_cls):

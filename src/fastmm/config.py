@@ -78,6 +78,20 @@ class TelemetryConfig:
         return cls(mode=_env_choice("FASTMM_TELEMETRY", "off", TELEMETRY_MODES),
                    directory=directory)
 
+    def made_directory(self) -> str:
+        """The export directory, made now: a bad FASTMM_TELEMETRY_DIR stops the run before its
+        first epoch, not when that epoch's exports are written."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            if not os.access(self.directory, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            raise ConfigError(
+                f"FASTMM_TELEMETRY_DIR={self.directory!r} cannot hold the telemetry exports "
+                f"({e.strerror}); use a writable directory (default {type(self).directory!r})"
+            ) from None
+        return self.directory
+
 
 SOURCE_KINDS = ("posix", "staged", "shards")
 

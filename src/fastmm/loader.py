@@ -100,10 +100,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if config.mode == "off":
             return super().__iter__()
         # FASTMM_TELEMETRY: one session per loader, exported at the end of every epoch
+        directory = config.made_directory()
         tm = self.__dict__.get("_fastmm_telemetry")
         if tm is None:
             tm = self.__dict__["_fastmm_telemetry"] = Telemetry(trace=config.mode == "trace")
-        return _exported(tm, tm.watch(self, _iterate=super().__iter__), config.directory)
+        return _exported(tm, tm.watch(self, _iterate=super().__iter__), directory)
 
     def _get_iterator(self):
         restore = self.__dict__.pop("_fastmm_restore", None)
