@@ -241,6 +241,41 @@ def test_three_processes_stage_each_file_once(tmp_path, serve):
     assert os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
 
 
+def _send_half_then_stall(handler, source, outputfile):
+    data = source.read()
+    if not handler.path.endswith(".tar"):  # the listing goes whole
+        return outputfile.write(data)
+    outputfile.write(data[: len(data) // 2])
+    outputfile.flush()
+    time.sleep(60)
+
+
+def test_a_stager_killed_mid_copy_leaves_no_partial_copy(tmp_path, serve):
+    """kill -9 while a copy is half written: the next stager removes what it left (its bucket's
+    lock is free, so no live stager is writing it) and stages the file whole."""
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    samples = [(f"s{i:03d}", {"bin": os.urandom(1_000_000)}) for i in range(6)]
+    write_shards(samples, remote, max_count=3)  # 3 MB shards: the first 1 MiB chunk lands
+    write_file_manifest(remote)
+    stalling = serve(remote, copyfile=_send_half_then_stall)
+    proc = subprocess.Popen([sys.executable, "-c", _STAGER, stalling, stage, "0"],
+                            stdout=subprocess.DEVNULL)
+    tmp = os.path.join(stage, ".fastmm-stage", "tmp")
+
+    def partial() -> int:
+        names = os.listdir(tmp) if os.path.isdir(tmp) else []
+        return sum(os.path.getsize(os.path.join(tmp, n)) for n in names)
+
+    deadline = time.time() + 30
+    while partial() < 1 << 20 and time.time() < deadline:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert partial() >= 1 << 20  # part of a shard, left by the killed stager
+    src = StagedSource(serve(remote), stage, inner="shards")
+    assert os.listdir(tmp) == [] and _samples(src) == samples
+
+
 def test_http_staging(tmp_path, serve):
     root = str(tmp_path / "served")
     url = serve(root)

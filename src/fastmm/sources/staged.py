@@ -8,6 +8,7 @@ in ``staging_cost`` so studies can charge them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -134,6 +135,10 @@ class StagedSource(Source):
         self.max_bytes, self.max_member_bytes = max_bytes, max_member_bytes
         for sub in ("locks", "records", "tmp"):
             os.makedirs(os.path.join(self.stage_dir, META, sub), exist_ok=True)
+        for bucket in self._buckets_in_tmp():  # before the space check: a dead stager's copies
+            with self._lock(bucket, wait=False) as held:
+                if held:
+                    self._remove_stale(bucket)
         self.staging_cost = {"seconds": 0.0, "bytes": 0, "bytes_per_s": 0.0, "files": 0}
         self.files = self._listing()
         self._by_path = {f.path: f for f in self.files}
@@ -305,14 +310,42 @@ class StagedSource(Source):
         if rel not in self._done and rel in self._by_path:
             self._ensure(self._by_path[rel])
 
+    @contextlib.contextmanager
+    def _lock(self, bucket: int, wait: bool = True):
+        """Hold a bucket's lock (yields True), or, with wait=False, yield False if another
+        process holds it. flock is released when the file closes, also if the process dies."""
+        with open(os.path.join(self.stage_dir, META, "locks", f"{bucket:02d}.lock"), "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+
+    def _buckets_in_tmp(self) -> set[int]:
+        names = os.listdir(os.path.join(self.stage_dir, META, "tmp"))
+        return {int(n[:2]) for n in names if n[:2].isdigit() and n[2:3] == "-"}
+
+    def _remove_stale(self, bucket: int) -> None:
+        """Remove the bucket's temporary files. Only a copy under the bucket's lock writes them,
+        so with the lock held any that remain were left by a stager that died mid-copy."""
+        tmp = os.path.join(self.stage_dir, META, "tmp")
+        for name in os.listdir(tmp):
+            if name.startswith(f"{bucket:02d}-"):
+                path = os.path.join(tmp, name)
+                if os.path.isdir(path):  # an extraction's .d
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+
     def _ensure(self, f: RemoteFile) -> None:
         """Stage one file unless it already is; under its lock, so concurrent stagers copy once."""
         t0 = time.perf_counter()
         bucket = int(hashlib.sha1(f.path.encode()).hexdigest(), 16) % _LOCKS
-        with open(os.path.join(self.stage_dir, META, "locks", f"{bucket:02d}.lock"), "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
+        with self._lock(bucket):
             if not self._is_staged(f):
-                self._copy(f)
+                self._remove_stale(bucket)
+                self._copy(f, bucket)
                 self.staging_cost["bytes"] += f.size
                 self.staging_cost["files"] += 1
         self._done.add(f.path)
@@ -320,8 +353,8 @@ class StagedSource(Source):
         cost["seconds"] += time.perf_counter() - t0
         cost["bytes_per_s"] = cost["bytes"] / cost["seconds"] if cost["seconds"] > 0 else 0.0
 
-    def _copy(self, f: RemoteFile) -> None:
-        tmp = os.path.join(self.stage_dir, META, "tmp", f"{os.getpid()}-{uuid.uuid4().hex}")
+    def _copy(self, f: RemoteFile, bucket: int) -> None:
+        tmp = os.path.join(self.stage_dir, META, "tmp", f"{bucket:02d}-{uuid.uuid4().hex}")
         origin = f"{self.remote}/{f.path}"
         try:
             h, n = hashlib.sha256(), 0
