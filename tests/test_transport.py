@@ -200,6 +200,26 @@ def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path, st
             main.stdout.close()
 
 
+class Columns(Dataset):
+    """20 KB samples: each one its own region (over the inline limit), filled with its index."""
+
+    def __len__(self):
+        return 1200
+
+    def __getitem__(self, i):
+        return torch.full((5000,), i, dtype=torch.int32)
+
+
+def test_a_batch_of_hundreds_of_tensors(path):
+    """A collate_fn that keeps the samples apart (detection style): 600 regions in one batch
+    take a few slabs (once, each its own slab, and Linux passes at most 253 descriptors in a
+    message: the worker died)."""
+    loader = fastmm.DataLoader(Columns(), batch_size=600, num_workers=2, collate_fn=tuple)
+    batches = list(loader)
+    assert [len(b) for b in batches] == [600, 600]
+    assert all(int(t[0]) == 600 * k + j for k, b in enumerate(batches) for j, t in enumerate(b))
+
+
 def test_workers_started_from_a_thread_outlive_that_thread(path):
     """The kernel's parent-death signal follows the thread that started a worker: workers that
     a short-lived thread started keep serving the loop after that thread has ended."""

@@ -182,8 +182,11 @@ class SlabWriter:
 
     def _take(self, nbytes: int) -> int:
         # A batch's first region asks for a slab that can hold the largest batch seen so far,
-        # so that one slab usually carries the whole batch.
-        want = nbytes if self._batch else max(nbytes, self._expected)
+        # so that one slab usually carries the whole batch; a batch outgrowing its slabs asks for
+        # as much again as it holds, so it takes a few slabs, not one per tensor: a handful of
+        # descriptors to send, never near the 253 Linux passes in one message.
+        held = sum(used for _, used in self._batch)
+        want = max(nbytes, held) if self._batch else max(nbytes, self._expected)
         fitting = [i for i in self._free if self._slabs[i].capacity >= want]
         if fitting:
             best = min(fitting, key=lambda i: self._slabs[i].capacity)
