@@ -41,6 +41,25 @@ def test_pinned_slabs_copy_to_the_gpu_without_staging(workers):
         assert int(on_gpu[0, 0, 0, 0]) == (8 * k) % 251
 
 
+def test_a_batch_dropped_while_its_copy_is_queued_arrives_whole():
+    """The usual loop, x = x.cuda(non_blocking=True), drops the host batch while its copy may
+    still wait behind GPU work: its slab must not go back to the worker (which would write the
+    next batch into it) before the copy is done."""
+    loader = fastmm.DataLoader(Frames(), batch_size=2, num_workers=1, pin_memory=True,
+                               prefetch_factor=1)
+    busy = torch.randn(4096, 4096, device="cuda")
+    arrived = []
+    for batch in loader:
+        for _ in range(20):  # queue ~tens of ms of work ahead of the copy
+            busy = busy @ busy
+            busy /= busy.norm()
+        arrived.append(batch.to("cuda", non_blocking=True))
+        del batch
+    torch.cuda.synchronize()
+    assert [int(b[j, 0, 0, 0]) for b in arrived for j in range(2)] == list(range(32))
+    assert all(bool((b[j] == b[j, 0, 0, 0]).all()) for b in arrived for j in range(2))
+
+
 def _jpeg(seed: int, size=(96, 128)) -> bytes:
     from PIL import Image
 

@@ -88,3 +88,37 @@ def test_close_keeps_held_views_valid_until_they_go(pair):
     del tail
     gc.collect()
     assert pinned == {}
+
+
+class Fence:
+    """Stands in for the CUDA event a pinned loop records as it drops a batch (the real one is
+    checked in test_gpu.py): passed once the copies queued before it are done."""
+
+    def __init__(self):
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+    def synchronize(self) -> None:
+        self.passed = True
+
+
+def test_a_slab_goes_back_only_once_its_copies_are_done(pair):
+    """pin_memory=True: dropping a batch while a non_blocking copy from it is still queued must
+    not hand its slab to the worker, which would overwrite the bytes being copied."""
+    writer, _, sock, pinned = pair
+    fences = []
+    ring = SlabRing(keep_free_per_worker=1, pin=lambda a, n: None, unpin=lambda a: None,
+                    fence=lambda: fences.append(Fence()) or fences[-1])
+    view, slab_id = _write_batch(writer, ring, sock, b"c" * 30_000)
+    del view
+    gc.collect()
+    assert len(fences) == 1 and ring.drain() == {}  # its copy is still queued: kept
+    fences[0].passed = True
+    assert ring.drain() == {0: ([slab_id], [])}
+    view, _ = _write_batch(writer, ring, sock, b"d" * 30_000)
+    del view
+    gc.collect()
+    ring.close()  # waits for the fence before unregistering the memory
+    assert fences[1].passed

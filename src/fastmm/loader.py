@@ -261,7 +261,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._shutdown = False
         self._worker_pids_set = False
         self._workers_status = [False] * self._num_workers
-        pin = unpin = None
+        pin = unpin = fence = None
         if self._pin_memory and self._pin_memory_device == "cuda":
             cudart = torch.cuda.cudart()
 
@@ -271,10 +271,18 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             def unpin(address: int) -> None:
                 _check_cuda(cudart.cudaHostUnregister(address), "cudaHostUnregister")
 
+            def fence() -> torch.cuda.Event:
+                # On the releasing thread's current stream: the copies the loop queued from the
+                # batch (x.cuda(non_blocking=True), in that stream or before dropping x in it).
+                event = torch.cuda.Event()
+                event.record()
+                return event
+
         # A worker runs ahead by up to prefetch_factor batches: keeping that many free slabs plus
         # the one just released means a steady loop never creates or destroys a slab.
         self._ring = SlabRing(
-            self._prefetch_factor + 1, pin=pin, unpin=unpin, lean=transport.slab_memory == "lean"
+            self._prefetch_factor + 1, pin=pin, unpin=unpin, fence=fence,
+            lean=transport.slab_memory == "lean",
         )
         self._workers_done_event = StopFlag(context)
         self._context, self._transport = context, transport

@@ -223,16 +223,22 @@ class SlabWriter:
 class SlabRing:
     """Main side: maps every worker's slabs and returns them once no tensor views them."""
 
-    def __init__(self, keep_free_per_worker: int, pin=None, unpin=None, lean: bool = False):
+    def __init__(self, keep_free_per_worker: int, pin=None, unpin=None, fence=None,
+                 lean: bool = False):
         """``pin(address, nbytes)`` / ``unpin(address)``, if given, page-lock each mapping once
         for its lifetime (CUDA host registration), so batches need no pinned staging copy.
+        ``fence()``, if given, marks the point a released slab's copies were queued up to (a
+        CUDA event on the releasing thread's stream, with ``query()`` and ``synchronize()``):
+        the slab goes back to its worker only once the fence is passed, so a
+        ``non_blocking`` copy still queued is never overwritten by the next batch.
         ``lean``: unmap every slab the loop releases, whatever its pace (FASTMM_SLAB_MEMORY)."""
         self._keep = keep_free_per_worker
         self._lean = lean
-        self._pin, self._unpin = pin, unpin
+        self._pin, self._unpin, self._fence = pin, unpin, fence
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._held: dict[tuple[int, int], bool] = {}
-        self._released: collections.deque[tuple[int, int]] = collections.deque()
+        # (slab, its fence or None), released by the loop and not yet given back
+        self._released: collections.deque[tuple[tuple[int, int], object]] = collections.deque()
         self._mapped_free: set[tuple[int, int]] = set()  # returned slabs this process still maps
         self._last_lend = self._last_step = time.monotonic()
         self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
@@ -280,13 +286,16 @@ class SlabRing:
 
     def _on_release(self, key: tuple[int, int]) -> None:
         # May run in any thread, whenever the last tensor of a batch is freed.
+        fence = self._fence() if self._fence is not None else None
         if self._closed:
+            if fence is not None:
+                fence.synchronize()  # its copies are done before the memory is unregistered
             self._held.pop(key, None)
             self._unmap(key)
         else:
             if self._spare_for(key) and self._pin is None:  # as torch frees a batch, at once
                 _advise(self._maps[key], mmap.MADV_DONTNEED)
-            self._released.append(key)
+            self._released.append((key, fence))
 
     def step(self) -> None:
         """The loop asks for its next batch: time its step, and what it did since the last one."""
@@ -309,8 +318,12 @@ class SlabRing:
     def drain(self) -> dict[int, tuple[list[int], list[int]]]:
         """Slabs released since the last call, per worker: (to reuse, to destroy)."""
         out: dict[int, tuple[list[int], list[int]]] = {}
+        copying = []
         while self._released:
-            key = self._released.popleft()
+            key, fence = self._released.popleft()
+            if fence is not None and not fence.query():  # a copy from it is still queued
+                copying.append((key, fence))
+                continue
             worker_id, slab_id = key
             if worker_id in self._gone:  # nobody to give it back to
                 self._held.pop(key, None)
@@ -327,6 +340,7 @@ class SlabRing:
                 release.append(slab_id)
                 if self._pin is None:  # page-locked slabs stay mapped for their lifetime
                     self._mapped_free.add(key)
+        self._released.extend(copying)
         for key in [k for k in self._mapped_free if self._spare_for(k)]:  # unmap what came back
             _advise(self._maps[key], mmap.MADV_DONTNEED)
             self._mapped_free.discard(key)
@@ -341,7 +355,10 @@ class SlabRing:
         """Drop every mapping no tensor views; held ones go when their tensors do."""
         self._closed = True
         while self._released:
-            self._held[self._released.popleft()] = False
+            key, fence = self._released.popleft()
+            if fence is not None:
+                fence.synchronize()  # its copies are done before the memory is unregistered
+            self._held[key] = False
         for key in [k for k, held in self._held.items() if not held]:
             del self._held[key]
             self._unmap(key)
