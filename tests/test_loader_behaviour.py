@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 import torch.utils.data
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils.worker import _generate_state
 
 import fastmm
@@ -621,6 +621,39 @@ def test_several_epochs(persistent, transport):
         assert pid_sets[0] == pid_sets[1] == pid_sets[2]
     else:
         assert not set(pid_sets[0]) & set(pid_sets[1]) and not set(pid_sets[1]) & set(pid_sets[2])
+
+
+class EpochAware(Dataset):
+    """A user's dataset with its own set_epoch (another signature than ShardStream's): its
+    items carry the epoch their copy holds."""
+
+    epoch = 0
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor([i, self.epoch])
+
+    def set_epoch(self, epoch, rank):
+        self.epoch = epoch
+
+
+def test_persistent_workers_keep_a_users_set_epoch_to_themselves(transport):
+    """torch passes nothing to persistent workers' dataset copies between epochs; neither does
+    fastmm, but for its own ShardStream (before, any set_epoch was called there, and one with
+    another signature killed the worker)."""
+    def run(cls):
+        data = EpochAware()
+        loader = cls(data, batch_size=2, num_workers=2, persistent_workers=True)
+        out = []
+        for epoch in range(3):
+            data.set_epoch(epoch, rank=0)
+            out.append([b.tolist() for b in loader])
+        shutdown(loader)
+        return out
+
+    assert run(fastmm.DataLoader) == run(TorchDataLoader) == [[[[0, 0], [1, 0]], [[2, 0], [3, 0]]]] * 3
 
 
 def test_two_iterators_at_once_like_torch(transport):

@@ -6,7 +6,7 @@ Messages from the main process (on the worker's index queue):
                                    the loop spent outside next() last step (see slabs.py)
   ("slabs", release_ids, destroy_ids)  slabs the main process no longer views
   ("resume", shared_seed, epoch)   a new epoch on persistent workers; epoch: the main process's
-                                   dataset.epoch if it has set_epoch(), passed on to this copy
+                                   ShardStream.epoch, passed on to this copy (else None)
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
   (send_idx, kind, payload, slab_ids_used, new_slabs, rng, stream, counts) with kind one of

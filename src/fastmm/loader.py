@@ -43,6 +43,7 @@ from ._wrappers import all_wrapped
 from .config import TelemetryConfig, TransportConfig
 from .dataset import skip_counters
 from .slabs import SlabRing
+from .stream import ShardStream
 from .telemetry import Telemetry
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
@@ -473,10 +474,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             itertools.cycle(range(self._num_workers)), first_worker, None
         )
         if not first_iter:
-            # a dataset's set_epoch() (ShardStream's) reaches the workers' copies of it too
-            epoch = getattr(self._dataset, "epoch", None)
-            if not callable(getattr(self._dataset, "set_epoch", None)):
-                epoch = None
+            # a ShardStream's set_epoch() reaches the workers' copies of it too (torch passes
+            # nothing to persistent workers, so other datasets' copies keep theirs, as there)
+            epoch = self._dataset.epoch if isinstance(self._dataset, ShardStream) else None
             for index_queue in self._index_queues:
                 index_queue.put(("resume", self._shared_seed, epoch))
             self._awaiting_resume = set(range(self._num_workers))  # a respawned one starts anew
