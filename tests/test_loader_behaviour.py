@@ -569,6 +569,37 @@ os.kill(os.getpid(), 9)
 """
 
 
+_UNPICKLABLE_SCRIPT = """
+import gc, sys, warnings
+sys.path.insert(0, {tests_dir!r})
+import fastmm
+from _datasets import SampleDataset
+warnings.simplefilter("always")
+loader = fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=2,
+                           multiprocessing_context="spawn", collate_fn=lambda batch: batch)
+try:
+    next(iter(loader))
+except Exception as e:
+    print(type(e).__name__, flush=True)
+gc.collect()
+print(len(list(fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=2,
+                                 multiprocessing_context="spawn"))), flush=True)
+"""
+
+
+def test_a_worker_that_cannot_start_is_torchs_error_and_nothing_else(transport):
+    """spawn pickles the worker's arguments: a lambda collate_fn fails to start it. torch's
+    PicklingError and warning, then no noise from the half-made iterator as it goes (before: an
+    AttributeError from __del__ and unclosed sockets), and the next loader works."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-W", "always", "-c",
+                           _UNPICKLABLE_SCRIPT.format(tests_dir=tests_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["PicklingError", "4"], proc.stderr
+    assert "Got pickle error when attempting to start a worker Process" in proc.stderr
+    assert "Exception ignored" not in proc.stderr and "ResourceWarning" not in proc.stderr
+
+
 def test_workers_exit_when_the_main_process_is_killed(transport):
     """kill -9 of the main process: its (persistent, idle) workers do not outlive it."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))

@@ -16,11 +16,13 @@ import itertools
 import logging
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -353,7 +355,19 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         )
         if self._counters is not None:
             self._last_counts[worker_id] = self._counters.row(worker_id)
-        process.start()
+        try:
+            process.start()
+        except BaseException as e:
+            for end in (result_recv, result_send, fd_main, fd_worker, index_queue):
+                end.close()
+            if isinstance(e, (TypeError, AttributeError, pickle.PicklingError)):
+                warnings.warn(  # torch's words (spawn and forkserver pickle the arguments)
+                    "Got pickle error when attempting to start a worker Process. This might be "
+                    "because the worker Process arguments are not picklable. Python 3.14+ "
+                    "changed the multiprocessing start method in non-Mac POSIX platforms to "
+                    "'forkserver', which requires the worker Process arguments to be picklable. "
+                    "You can also try multiprocessing.set_start_method('fork').", stacklevel=2)
+            raise
         result_send.close()
         fd_worker.close()
         self._index_queues[worker_id] = index_queue
@@ -706,29 +720,35 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         try:
             self._workers_done_event.set()
             for worker_id in range(len(self._workers)):
-                if self._persistent_workers or self._workers_status[worker_id]:
+                started = self._workers[worker_id] is not None
+                if started and (self._persistent_workers or self._workers_status[worker_id]):
                     self._mark_worker_as_unavailable(worker_id, shutdown=True)
-            for conn in self._result_conns:  # a worker blocked on sending gets EPIPE and exits
+            # a worker blocked on sending gets EPIPE and exits
+            for conn in filter(None, self._result_conns):
                 conn.close()
             deadline = time.monotonic() + join_s
-            for process in self._workers:
+            for process in self._started():
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
-            for index_queue in self._index_queues:
+            for index_queue in filter(None, self._index_queues):
                 index_queue.cancel_join_thread()
                 index_queue.close()
         finally:
             if self._worker_pids_set:
                 torch_utils.signal_handling._remove_worker_pids(id(self))
                 self._worker_pids_set = False
-            for process in self._workers:
+            for process in self._started():
                 if process.is_alive():
                     process.terminate()
                     process.join(timeout=_STATUS_CHECK_INTERVAL_S)
-            for sock in self._fd_socks:
+            for sock in filter(None, self._fd_socks):
                 sock.close()
             _OPEN_CHANNELS.pop(id(self), None)
             self._task_info = {}
             self._ring.close()
+
+    def _started(self) -> list:
+        """The worker processes, less any that never started (a start that failed)."""
+        return [process for process in self._workers if process is not None]
 
     def __del__(self) -> None:
         # only where it was made: a forked child may collect its copy of an iterator. The
