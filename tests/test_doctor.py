@@ -4,6 +4,7 @@ CUDA before fork) and at its first batch (shared memory too small for its rings)
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -78,6 +79,9 @@ def test_the_doctor_command_reports_and_flags_problems():
                            "--batch-mb", str(10**9)], capture_output=True, text=True)
     assert huge.returncode == 1 and "PROBLEM: the slab rings will need" in huge.stdout
     assert "RuntimeWarning" not in huge.stderr
+    many = subprocess.run([sys.executable, "-m", "fastmm.doctor", "--num-workers",
+                           str(10 * os.cpu_count())], capture_output=True, text=True)
+    assert many.returncode == 0 and "WARNING: " in many.stdout  # slower, not broken
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to initialise it")

@@ -110,9 +110,8 @@ def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | Non
     lines.append("slab transport: " + ("C++ (fastmm._C)" if uses_cpp() else
                                        "pure Python (fastmm._C not importable or disabled)"))
     if num_workers is not None:
-        if num_workers > cores:
-            lines.append(f"PROBLEM: {num_workers} workers for {cores} cores")
-            problem = True
+        if num_workers > cores:  # slower, not broken: torch warns about it too
+            lines.append(f"WARNING: {num_workers} workers for {cores} cores: they will share them")
         if batch_bytes is not None:
             need = ring_bytes(num_workers, prefetch_factor, batch_bytes)
             finding = shm_finding(need, config.shm_dir)

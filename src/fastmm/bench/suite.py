@@ -14,7 +14,7 @@ index at the end. Parts (each its own process, its own environment record and re
    too when the study runs on its own: ``python -m fastmm.bench.study_shards``).
 
 Run:
-``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a minute or two).
+``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a few minutes).
 """
 
 from __future__ import annotations
