@@ -687,6 +687,31 @@ def test_persistent_workers_keep_a_users_set_epoch_to_themselves(transport):
     assert run(fastmm.DataLoader) == run(TorchDataLoader) == [[[[0, 0], [1, 0]], [[2, 0], [3, 0]]]] * 3
 
 
+class LongerThanItSays(IterableDataset):
+    def __len__(self):
+        return 2
+
+    def __iter__(self):
+        return iter(range(5))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_torchs_warnings_in_next_name_the_users_line(num_workers, transport):
+    """torch warns from __next__ with stacklevel=2, naming the loop's line; fastmm's iterators
+    add no frame there, so warnings filters by module and line work the same."""
+    def where(cls):
+        loader = cls(LongerThanItSays(), batch_size=None, num_workers=num_workers)
+        len(loader)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in loader:  # the line both must name
+                pass
+        return {(w.filename, w.lineno) for w in caught if "Length of IterableDataset" in str(w.message)}
+
+    assert where(fastmm.DataLoader) == where(TorchDataLoader) != set()
+    assert {f for f, _ in where(fastmm.DataLoader)} == {__file__}
+
+
 def test_two_iterators_at_once_like_torch(transport):
     def run(cls):
         loader = cls(SampleDataset(12, "tensor_wid"), batch_size=3, num_workers=2)

@@ -195,9 +195,10 @@ class _ResumableIter:
         if self._dataset_kind == _DatasetKind.Iterable:
             self._progress.dataset_state = resume.dataset_state(self._dataset)
 
-    def __next__(self):
+    def _next_data(self):
+        # (not __next__: torch's warnings there name its caller, which must be the user's loop)
         try:
-            return super().__next__()
+            return self._next_batch()
         except StopIteration:
             self._progress.done = True
             raise
@@ -230,8 +231,8 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
         self._progress.batches += 1
         return index
 
-    def _next_data(self):
-        data = super()._next_data()
+    def _next_batch(self):
+        data = _SingleProcessDataLoaderIter._next_data(self)
         if self._dataset_kind == _DatasetKind.Iterable:
             self._note_stream()
         return data
@@ -616,7 +617,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             if success:
                 return data
 
-    def _next_data(self):
+    def _next_batch(self):
         self._ring.step()
         self._return_slabs()  # slabs of batches the loop dropped go back before new tasks go out
         while True:
