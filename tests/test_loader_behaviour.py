@@ -600,6 +600,31 @@ def test_a_worker_that_cannot_start_is_torchs_error_and_nothing_else(transport):
     assert "Exception ignored" not in proc.stderr and "ResourceWarning" not in proc.stderr
 
 
+_PERSISTENT_AT_EXIT_SCRIPT = """
+import sys
+sys.path.insert(0, {tests_dir!r})
+import fastmm
+from _datasets import SampleDataset
+loader = fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=2, persistent_workers=True)
+for _ in loader:
+    pass
+print(" ".join(str(w.pid) for w in loader._iterator._workers), flush=True)
+"""
+
+
+def test_persistent_workers_alive_at_exit_leave_quietly(transport):
+    """The interpreter exits with persistent workers still up: no unclosed-socket warnings,
+    no worker left behind (as with torch's loader)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-W", "always", "-c",
+                           _PERSISTENT_AT_EXIT_SCRIPT.format(tests_dir=tests_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2 and not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                      != psutil.STATUS_ZOMBIE for p in pids)
+
+
 def test_workers_exit_when_the_main_process_is_killed(transport):
     """kill -9 of the main process: its (persistent, idle) workers do not outlive it."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))

@@ -11,6 +11,7 @@ the per-worker seeds, ``persistent_workers``, ``prefetch_factor`` and ``timeout`
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
@@ -52,6 +53,18 @@ _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 log = logging.getLogger("fastmm")
 _MAX_DEATHS_PER_TASK = 3  # a batch that kills a worker this often is the batch's fault
 _OPEN_CHANNELS: dict[int, tuple] = {}  # id(iterator) -> its result connections and fd sockets
+
+
+@atexit.register
+def _close_open_channels() -> None:
+    """At exit, close the channels of iterators still open (persistent workers), as their own
+    shutdown would: torch skips that shutdown at exit, and the workers then see their loop gone.
+    (Registered after multiprocessing's exit handler, so it runs before that one ends them.)"""
+    for conns, socks in list(_OPEN_CHANNELS.values()):
+        for channel in [*conns, *socks]:
+            if channel is not None:
+                channel.close()
+    _OPEN_CHANNELS.clear()
 
 
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
