@@ -156,6 +156,22 @@ def test_other_truncations_are_reported(tmp_path, cut):
     assert src.skipped == {"truncated": 1}
 
 
+def test_a_shard_that_cannot_be_opened_is_reported(tmp_path):
+    """A listed shard gone (or a staged copy that failed): counted as "unreadable" with its
+    path, the other shards read, in the index and in the stream; under raise, a SourceError."""
+    paths = write_shards([(f"s{i}", {"txt": b"x"}) for i in range(6)], str(tmp_path), max_count=2)
+    os.unlink(paths[1])
+    src = ShardSource(paths, on_error="skip")
+    assert src.keys() == ["s0", "s1", "s4", "s5"] and src.skipped == {"unreadable": 1}
+    assert src.problems[0].origin == paths[1]
+    stream = ShardSource(paths, on_error="skip")
+    assert [s.key for s in stream.iter_samples()] == ["s0", "s1", "s4", "s5"]
+    assert stream.skipped == {"unreadable": 1}
+    with pytest.raises(SourceError, match="unreadable") as e:
+        ShardSource(paths).keys()
+    assert e.value.origin == paths[1]
+
+
 def test_missing_member_and_zero_byte_member(tmp_path):
     samples = [
         ("a", {"jpg": b"", "txt": b"zero-byte jpg"}),

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal, Sequence
 
 from .base import (
-    OnError, Progress, Sample, Source, check_split, slot_of, split_name, to_stderr, unsafe_name,
+    OnError, Progress, Sample, Source, SourceError, check_split, slot_of, split_name, to_stderr,
+    unsafe_name,
 )
 
 BLOCK = 512
@@ -292,9 +293,23 @@ class ShardSource(Source):
             self._before_open(shard)
         return open(shard, "rb", buffering=1 << 20)
 
+    def _opened(self, shard: str):
+        """The shard open, or None once a shard that cannot be opened (gone, unreadable, a
+        staged copy that failed) is reported (raised or counted, as on_error says)."""
+        try:
+            return self._open(shard)
+        except SourceError as e:  # from staging on first touch
+            self.report(e.reason, e.key, e.origin, e.message)
+        except OSError as e:
+            self.report("unreadable", "", shard, str(e))
+        return None
+
     def _scan(self, shard: str) -> list:
         cache = os.path.join(os.path.dirname(shard), f".{os.path.basename(shard)}.fastmm-idx.json")
-        with self._open(shard) as f:
+        f = self._opened(shard)
+        if f is None:
+            return []
+        with f:
             st = os.fstat(f.fileno())
             stamp = [st.st_size, st.st_mtime_ns, self.max_member_bytes]
             if self.index_cache == "beside":
@@ -392,10 +407,8 @@ class ShardSource(Source):
         """Sequential read of this pair's shards; damaged samples are skipped and counted, or
         raise when reached, as on_error says. Samples before a truncation still come out."""
         for shard in self.shards_for(rank, world_size, worker, num_workers):
-            try:
-                f = self._open(shard)
-            except OSError as e:
-                self.report("unreadable", "", shard, str(e))
+            f = self._opened(shard)
+            if f is None:
                 continue
             with f:
                 for entry in _group(
