@@ -12,11 +12,13 @@ import pytest
 
 
 @contextlib.contextmanager
-def private_tmpfs(size: str):
-    """Mount a tmpfs of ``size`` (e.g. "64m") and yield its path; skip where mounting is denied."""
+def private_tmpfs(size: str, options: str = ""):
+    """Mount a tmpfs of ``size`` (e.g. "64m"; more mount ``options`` such as "ro") and yield its
+    path; skip where mounting is denied."""
     path = tempfile.mkdtemp(prefix="fastmm-shm-")
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", ",".join(filter(None, [f"size={size}", options])), "tmpfs",
+         path], capture_output=True
     )
     if done.returncode != 0:
         os.rmdir(path)

@@ -107,6 +107,13 @@ def test_backend_choice_follows_environment(monkeypatch):
         fastmm.uses_cpp()
 
 
+def test_a_read_only_shm_dir_is_a_config_error(monkeypatch):
+    with private_tmpfs("1m", "ro") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        with pytest.raises(fastmm.ConfigError, match="FASTMM_SHM_DIR=.* is not writable"):
+            iter(fastmm.DataLoader(range(4), num_workers=1))
+
+
 def test_slab_memory_mode_follows_environment(monkeypatch):
     assert fastmm.TransportConfig.from_env().slab_memory == "auto"
     monkeypatch.setenv("FASTMM_SLAB_MEMORY", "Lean")

@@ -38,6 +38,8 @@ def _env_dir(name: str, default: str) -> str:
         return default
     if not os.path.isdir(raw):
         raise ConfigError(f"{name}={raw!r} is not an existing directory")
+    if not os.access(raw, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}={raw!r} is not writable; use a directory this user can write")
     return raw
 
 
