@@ -561,8 +561,14 @@ import os, sys
 sys.path.insert(0, {tests_dir!r})
 import fastmm
 from _datasets import SampleDataset
+import threading
 loader = fastmm.DataLoader(SampleDataset(100), batch_size=2, num_workers=2, persistent_workers=True)
-it = iter(loader)
+made = []
+if {from_thread}:  # the kernel's parent-death signal follows the starting thread: not used then
+    starter = threading.Thread(target=lambda: made.append(iter(loader)))
+    starter.start()
+    starter.join()
+it = made[0] if made else iter(loader)
 next(it)
 print(" ".join(str(w.pid) for w in it._workers), flush=True)
 os.kill(os.getpid(), 9)
@@ -625,11 +631,13 @@ def test_persistent_workers_alive_at_exit_leave_quietly(transport):
                                       != psutil.STATUS_ZOMBIE for p in pids)
 
 
-def test_workers_exit_when_the_main_process_is_killed(transport):
-    """kill -9 of the main process: its (persistent, idle) workers do not outlive it."""
+@pytest.mark.parametrize("from_thread", [False, True], ids=["main-thread", "other-thread"])
+def test_workers_exit_when_the_main_process_is_killed(transport, from_thread):
+    """kill -9 of the main process: its (persistent, idle) workers do not outlive it, whether
+    the main thread started them (the kernel's signal) or another thread (a polling thread)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, "-c", _ORPHAN_SCRIPT.format(tests_dir=tests_dir)],
+        [sys.executable, "-c", _ORPHAN_SCRIPT.format(tests_dir=tests_dir, from_thread=from_thread)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -106,9 +106,13 @@ def _exit_when_orphaned(parent_thread_is_main: bool) -> None:
     parent = os.getppid()
     if parent_thread_is_main and sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl in this libc: the thread below still watches
-            pass
+            signalled = ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):  # no prctl in this libc: the thread below watches
+            signalled = False
+        if signalled:
+            if os.getppid() != parent:  # it died before the signal was set
+                os._exit(1)
+            return
 
     def watch():
         while os.getppid() == parent:
