@@ -412,11 +412,13 @@ class MultimodalDataset(torch.utils.data.Dataset):
                 )
         return items
 
-    def _get(self, index: int):
+    def _get(self, index: int, *, count: bool = True):
+        """The item at ``index`` under the policy; ``count=False`` for a sample tried again in
+        the same epoch (ShardStream's padding), whose badness was counted the first time."""
         with stage("sample"):
-            return self._get_unmarked(index)
+            return self._get_unmarked(index, count)
 
-    def _get_unmarked(self, index: int):
+    def _get_unmarked(self, index: int, count: bool):
         items = self._index()
         n = len(items)
         if not -n <= index < n:
@@ -429,7 +431,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
             except (SourceError, DecodeError) as e:
                 if self.on_error == "raise":
                     raise
-                if attempt == 0:  # a bad stand-in is passed over, and counted at its own index
+                if attempt == 0 and count:  # a bad stand-in is passed over, counted at its own index
                     self._count(e, replaced=self.on_error == "replace")
                 if self.on_error == "skip":
                     return None

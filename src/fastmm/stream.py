@@ -25,7 +25,8 @@ class ShardStream(IterableDataset):
     emptiest slot holds (the rest of that epoch's samples are left out; other epochs deal the
     shards differently). With the same ``num_workers`` and ``batch_size`` on every rank, every
     rank yields the same number of batches. A bad sample that ``on_error="skip"`` leaves out is
-    made up by the slot's next one, so the counts stay equal.
+    made up by the slot's next one, so the counts stay equal; it is counted once per epoch, even
+    when padding tries it again.
 
     Rank and world size: arguments, else torch.distributed, else torchrun's RANK / WORLD_SIZE.
     Call ``set_epoch(epoch)`` before each epoch to reshuffle, as with torch's
@@ -126,7 +127,8 @@ class _Slot:
                         f"was bad (counts so far: {self.stream.dataset.skipped})"
                     )
                 self.made = 0
-            item = self.stream.dataset[self.indices[self.tried % n]]
+            # a sample met again on a later round of the slot's shards is not counted again
+            item = self.stream.dataset._get(self.indices[self.tried % n], count=self.tried < n)
             self.tried += 1
             if item is None:  # left out by on_error="skip": the next sample stands in
                 continue
