@@ -1,4 +1,4 @@
-// fastmm._C: shared-memory slab creation and collation copies on raw buffers.
+// fastmm._C: shared-memory slab creation and copies into slabs on raw buffers.
 //
 // It links no PyTorch library: everything is a Python buffer, so the build stays small and
 // independent of the torch version. src/fastmm/_twin.py is the pure-Python twin of every
@@ -51,7 +51,7 @@ PyObject* create_slab(PyObject*, PyObject* args) {
 }
 
 // gather(dst, offset, srcs, stride): copy srcs[i] to dst[offset + i*stride], GIL released.
-// This is collation: each sample straight into its slot of the batch in the slab.
+// The pickler in collate.py copies each storage a batch uses into the slab with it.
 PyObject* gather(PyObject*, PyObject* args) {
   PyObject* dst_obj;
   Py_ssize_t offset;

@@ -157,6 +157,8 @@ def make_sample(kind: str, i: int, offset: int = 0):
         }
     if kind == "big":
         return torch.full((3, 64, 64), float(v))
+    if kind == "dtype_cycle":  # a batch of mixed dtypes over 16 KiB: stacked as its first's
+        return torch.full((2100,), v * 1.5, dtype=(torch.float64, torch.float32, torch.int32)[v % 3])
     raise ValueError(kind)
 
 

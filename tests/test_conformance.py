@@ -107,6 +107,9 @@ CASES = [
     Case("collate_noncontig_bs3_w2", lambda: SampleDataset(8, "noncontig"), lambda: dict(batch_size=3, num_workers=2)),
     Case("collate_channels_last_bs3_w2", lambda: SampleDataset(8, "channels_last"), lambda: dict(batch_size=3, num_workers=2)),
     Case("collate_big_bs16_w2", lambda: SampleDataset(64, "big"), lambda: dict(batch_size=16, num_workers=2)),
+    # 512 samples of 48 bytes: a batch over 16 KiB, so in a slab, made of many small samples
+    Case("collate_many_small_bs512_w2", lambda: SampleDataset(1100), lambda: dict(batch_size=512, num_workers=2)),
+    Case("collate_dtype_cycle_bs3_w2", lambda: SampleDataset(9, "dtype_cycle"), lambda: dict(batch_size=3, num_workers=2)),
     # --- batch_size=None (no auto-collation: default_convert per sample) -------------------
     Case("nobatch_dtypes_w2", lambda: SampleDataset(6, "dtypes"), lambda: dict(batch_size=None, num_workers=2)),
     Case("nobatch_numpy_w2", lambda: SampleDataset(6, "numpy"), lambda: dict(batch_size=None, num_workers=2)),

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 
-def _interleaved_bytes(t: torch.Tensor) -> bool:
+def interleaved_bytes(t: torch.Tensor) -> bool:
     """A CPU tensor of 1-byte elements whose channels (dim -3) sit next to each other, in
     pixels of at most 4 bytes."""
     return (
@@ -29,7 +29,7 @@ def _interleaved_bytes(t: torch.Tensor) -> bool:
 
 def copy_into(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``out.copy_(t)`` for a contiguous ``out`` of ``t``'s shape and dtype."""
-    if _interleaved_bytes(t) and out.dtype == t.dtype and out.shape == t.shape:
+    if interleaved_bytes(t) and out.dtype == t.dtype and out.shape == t.shape:
         np.copyto(out.numpy(), t.numpy())
         return out
     return out.copy_(t)
@@ -37,6 +37,6 @@ def copy_into(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()``."""
-    if t.is_contiguous() or not _interleaved_bytes(t):
+    if t.is_contiguous() or not interleaved_bytes(t):
         return t.contiguous()
     return copy_into(torch.empty(t.shape, dtype=t.dtype), t)
