@@ -34,6 +34,20 @@ class Augmented(Dataset):
                              np.random.randint(10**6)])
 
 
+class GaussianEvery(Dataset):
+    """Item i with one NumPy Gaussian: NumPy makes them in pairs and keeps the second, so every
+    other item uses up the cached one without moving the generator's words."""
+
+    def __init__(self, n: int = 13):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), float(np.random.standard_normal())], dtype=torch.float64)
+
+
 class AugmentedStream(IterableDataset):
     """Ids split across workers unevenly (worker w gets every n-th id from w, and worker 0 has
     a longer tail), each with one draw from each RNG."""

@@ -22,7 +22,7 @@ import torch
 import fastmm
 from fastmm import resume
 
-from _resume_job import Augmented, AugmentedStream, EpochStream, PositionedStream
+from _resume_job import Augmented, AugmentedStream, EpochStream, GaussianEvery, PositionedStream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPOCHS = 2
@@ -112,6 +112,30 @@ def test_resume_yields_the_uninterrupted_batches(config, transport):
         return fastmm.DataLoader(Augmented(), batch_size=4, shuffle=True, **kw)
 
     _check_resume_everywhere(make, _stops)
+
+
+def test_a_cheap_rng_capture_equals_a_full_one():
+    """Workers read NumPy's state in full only when it may have changed; after every kind of
+    draw, seeding and state setting, that gives what a full read gives."""
+    steps = [lambda: None, lambda: np.random.rand(), lambda: np.random.standard_normal(),
+             lambda: None, lambda: np.random.standard_normal(), lambda: np.random.seed(5),
+             lambda: np.random.randint(10, size=700), lambda: np.random.standard_normal(),
+             lambda: np.random.set_state(np.random.get_state()), lambda: random.random(),
+             lambda: torch.rand(()), lambda: np.random.standard_normal(3)]
+    np.random.seed(0)
+    last = resume.capture_rng()
+    for step in steps:
+        step()
+        cheap, full = resume.capture_rng(last), resume.capture_rng()
+        assert cheap == full
+        last = cheap
+
+
+def test_resume_where_a_batch_uses_up_a_cached_gaussian():
+    """A batch that only takes NumPy's cached Gaussian changes its state all the same."""
+    _check_resume_everywhere(
+        lambda: fastmm.DataLoader(GaussianEvery(), batch_size=1, num_workers=2),
+        lambda per_epoch: [1, 2, 3, 4, 5, per_epoch + 1])
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -187,7 +187,7 @@ def worker_loop(
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
         rng_watch = resume.Watch(resume.capture_rng)
         counters = skip_counters(dataset)
-        counts_watch = resume.Watch(lambda: None if counters is None else counters.row(worker_id))
+        counts_watch = resume.Watch(lambda _: None if counters is None else counters.row(worker_id))
 
         iteration_end = False
         idle_timeout = IDLE_WORKER_S
