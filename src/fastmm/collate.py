@@ -56,7 +56,7 @@ def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
         return torch.stack(batch, 0, out=out)  # out= keeps torch's dtype rule for mixed batches
     slab_id, offset, view = _writer.alloc(nbytes)
     out = torch.frombuffer(view, dtype=elem.dtype, count=numel).view(shape)
-    if interleaved_bytes(elem) and all(type(t) is torch.Tensor and t.dtype == elem.dtype
+    if interleaved_bytes(elem) and all(_plain_cpu_tensor(t) and t.dtype == elem.dtype
                                        and t.shape == elem.shape for t in batch):
         for slot, t in zip(out, batch):  # decoded pixels, channels-last views: NumPy copies
             copy_into(slot, t)
