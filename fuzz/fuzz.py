@@ -256,18 +256,13 @@ def layout_one(data: bytes) -> None:
 
 
 def collate_payload(n: int) -> bytes:
-    """A batch pickled as a worker would: a list of ``n`` tensors by persistent id."""
-    buf = io.BytesIO()
+    """A batch pickled as a worker would: a list of ``n`` tensor references."""
 
     class Ref(int):
-        pass
+        def __reduce__(self):
+            return collate._slab_tensor, (int(self),)
 
-    class Pickler(collate.pickle.Pickler):
-        def persistent_id(self, obj):
-            return ("tensor", int(obj)) if type(obj) is Ref else None
-
-    Pickler(buf, collate.pickle.HIGHEST_PROTOCOL).dump([Ref(i) for i in range(n)])
-    return buf.getvalue()
+    return collate.pickle.dumps([Ref(i) for i in range(n)], collate.pickle.HIGHEST_PROTOCOL)
 
 
 def _layout_seeds() -> list[bytes]:

@@ -301,6 +301,32 @@ def test_sum64_reads_every_byte():
     assert set(workloads.CONSUMERS) == {"sum64", "crc32"} and workloads.DEFAULT_CONSUMER == "sum64"
 
 
+def test_caption_batches_are_counted_and_read_whole():
+    """A batch of (caption, label) samples: its samples, bytes and digest cover every caption."""
+    from torch.utils.data import default_collate
+
+    data = workloads.CaptionDataset()
+    batch = default_collate([data[i] for i in range(5)])
+    captions, labels = batch
+    assert workloads.batch_len(batch) == 5 and workloads.batch_len({"c": captions}) == 5
+    text = "".join(captions).encode()
+    assert workloads.batch_nbytes(batch) == len(text) + 5 * 8
+    assert workloads.first_batch_digest(batch) == zlib.crc32(text + labels.numpy().tobytes())
+    assert workloads.sum64(batch) != workloads.sum64(default_collate([data[i] for i in range(1, 6)]))
+
+
+def test_captions_workload_runs_side_by_side(tmp_path):
+    from fastmm.bench import cli
+
+    out = tmp_path / "out"
+    assert cli.main(["--quick", "--workloads", "captions", "--reps", "1", "--mem-reps", "0",
+                     "--min-seconds", "0.2", "--warmup-seconds", "0.05", "--out", str(out)]) == 0
+    (case,) = json.loads((out / "results.json").read_text())["cases"]
+    assert case["name"] == "captions-b32"
+    assert case["summary"]["first_batch_identical"]
+    assert {"torch", "fastmm", "getitem-1-thread"} <= set(case["arms"])
+
+
 def test_paced_steps_last_step_s():
     clip = torch.zeros(8, dtype=torch.uint8)
 

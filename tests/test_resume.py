@@ -115,19 +115,25 @@ def test_resume_yields_the_uninterrupted_batches(config, transport):
 
 
 def test_a_cheap_rng_capture_equals_a_full_one():
-    """Workers read NumPy's state in full only when it may have changed; after every kind of
-    draw, seeding and state setting, that gives what a full read gives."""
+    """Workers read NumPy's and random's states in full only when they may have changed; after
+    every kind of draw, seeding and state setting, that gives what a full read gives."""
+    start = random.getstate()
     steps = [lambda: None, lambda: np.random.rand(), lambda: np.random.standard_normal(),
              lambda: None, lambda: np.random.standard_normal(), lambda: np.random.seed(5),
              lambda: np.random.randint(10, size=700), lambda: np.random.standard_normal(),
              lambda: np.random.set_state(np.random.get_state()), lambda: random.random(),
-             lambda: torch.rand(()), lambda: np.random.standard_normal(3)]
+             lambda: torch.rand(()), lambda: np.random.standard_normal(3),
+             lambda: random.gauss(0, 1), lambda: random.gauss(0, 1), lambda: random.gauss(0, 1),
+             lambda: random.seed(5), lambda: random.getrandbits(20000),
+             lambda: random.setstate(start), lambda: random.shuffle(list(range(1000)))]
+    assert resume._RANDOM_RAW_READABLE  # CPython 3.10-3.13 lay it out as read
     np.random.seed(0)
     last = resume.capture_rng()
     for step in steps:
         step()
-        cheap, full = resume.capture_rng(last), resume.capture_rng()
-        assert cheap == full
+        cheap = resume.capture_rng(last)
+        _, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        assert cheap[1:] == (random.getstate(), (key.tobytes(), pos, has_gauss, gauss))
         last = cheap
 
 
@@ -567,7 +573,8 @@ def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_
                 time.sleep(0.5)  # the workers make the batches ahead
                 state = json.loads(json.dumps(first.state_dict()))
                 break
-        assert _skipped(first)["corrupt"] > state["dataset"]["skipped"]["corrupt"]
+        # (out of order, the first batch handed out may be one without a bad sample)
+        assert _skipped(first)["corrupt"] > state["dataset"]["skipped"].get("corrupt", 0)
         second = loader()
         second.load_state_dict(state)
         got += [k for b in second for k in b["key"]]

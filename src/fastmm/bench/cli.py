@@ -25,9 +25,15 @@ import torch.utils.data
 
 from . import env, harness, report, stats
 from .corpus import default_cache_dir, ensure_corpus
-from .workloads import CONSUMERS, DEFAULT_CONSUMER, ClipBankDataset, JpegFolderDataset
+from .workloads import (
+    CONSUMERS,
+    DEFAULT_CONSUMER,
+    CaptionDataset,
+    ClipBankDataset,
+    JpegFolderDataset,
+)
 
-WORKLOADS = ("transport", "decode")
+WORKLOADS = ("transport", "decode", "captions")
 RESULTS_FORMAT = 2  # 2: consumer choice, consume-alone, paced memory repetitions, Shmem
 BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
 BUSY_RETRIES = 2  # with --wait-quiet, a busy timed or memory repetition is redone at most this often
@@ -195,6 +201,32 @@ def decode_cases(args, corpus) -> list[Case]:
             )
         )
     return cases
+
+
+def captions_case(args) -> Case:
+    dataset = CaptionDataset()
+    b = args.captions_batch_size
+    arms = _loader_arms(dataset, b, args) + [
+        Arm(
+            "getitem-1-thread",
+            "reference",
+            lambda s, _, __: harness.run_getitem(dataset, s),
+            "dataset[i] alone, sequentially, in the main process, torch on 1 thread",
+        )
+    ]
+    return Case(
+        name=f"captions-b{b}",
+        workload="captions",
+        batch_size=b,
+        num_workers=args.num_workers,
+        description=(
+            "a caption string (~60 characters) and an int label per sample, so a batch is a "
+            f"list of strings and a label tensor: each loader's fixed cost per batch; loop: "
+            f"{args.consume} over the labels' and captions' bytes"
+        ),
+        arms=arms,
+        details={},
+    )
 
 
 def _progress(case: Case, label: str, arm: Arm, fig: dict) -> None:
@@ -475,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: " + ", ".join(f"{k.replace('_', '-')}={v}" for k, v in QUICK.items()))
     parser.add_argument("--workloads", default="transport,decode",
-                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
+                        help=f"comma-separated subset of {','.join(WORKLOADS)} "
+                        "(default: transport,decode)")
     parser.add_argument("--reps", type=int, help=f"timed repetitions per arm (default {FULL['reps']})")
     parser.add_argument("--mem-reps", type=int,
                         help="rounds of memory repetitions with the PSS sampler on, each one "
@@ -486,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"window of the untimed warm-up repetition (default {FULL['warmup_seconds']})")
     parser.add_argument("--num-workers", type=int, default=2, help="loader workers (default 2)")
     parser.add_argument("--transport-batch-size", type=int, default=32, help="(default 32)")
+    parser.add_argument("--captions-batch-size", type=int, default=32, help="(default 32)")
     parser.add_argument("--clip-shape", default="16,3,224,224",
                         help="transport sample shape, uint8 (default 16,3,224,224)")
     parser.add_argument("--clip-bank", type=int, default=8, help="distinct clips preallocated (default 8)")
@@ -529,7 +563,8 @@ def parse_args(argv=None):
         args.decode_batch_sizes = [int(v) for v in str(args.decode_batch_sizes).split(",") if v.strip()]
     except ValueError:
         parser.error(f"--decode-batch-sizes must be integers, got {args.decode_batch_sizes!r}")
-    for name in ("reps", "num_workers", "transport_batch_size", "clip_bank", "num_images"):
+    for name in ("reps", "num_workers", "transport_batch_size", "captions_batch_size", "clip_bank",
+                 "num_images"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.mem_reps < 0 or args.min_seconds <= 0 or args.warmup_seconds <= 0 or args.wait_quiet < 0:
@@ -570,6 +605,8 @@ def main(argv=None) -> int:
     if "decode" in args.workloads:
         corpus = ensure_corpus(args.cache_dir, args.num_images, seed=args.seed, log=_log)
         cases.extend(decode_cases(args, corpus))
+    if "captions" in args.workloads:
+        cases.append(captions_case(args))
     results = {
         "format": RESULTS_FORMAT,
         "environment": environment,
@@ -582,6 +619,7 @@ def main(argv=None) -> int:
             "warmup_seconds": args.warmup_seconds,
             "num_workers": args.num_workers,
             "transport_batch_size": args.transport_batch_size,
+            "captions_batch_size": args.captions_batch_size,
             "decode_batch_sizes": args.decode_batch_sizes,
             "clip_shape": [int(v) for v in args.clip_shape.split(",")],
             "clip_bank": args.clip_bank,

@@ -36,7 +36,7 @@ import psutil
 import torch
 from torch.utils.data import default_collate
 
-from .workloads import Consumer, batch_nbytes, first_batch_digest
+from .workloads import Consumer, batch_len, batch_nbytes, first_batch_digest
 
 PSS_INTERVAL_S = 0.05
 
@@ -309,7 +309,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
         if tick is None:
             tick = received
         consume(batch)
-        done = window.add(len(batch), batch_nbytes(batch),
+        done = window.add(batch_len(batch), batch_nbytes(batch),
                           on_first=lambda b=batch: digest.append(first_batch_digest(b)))
         if step_s is not None and not done:
             tick += step_s
@@ -382,7 +382,7 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Co
             del samples
             index += batch_size
             consume(batch)
-            done = window.add(len(batch), batch_nbytes(batch),
+            done = window.add(batch_len(batch), batch_nbytes(batch),
                               on_first=lambda b=batch: digest.append(first_batch_digest(b)))
             del batch
             if done:
@@ -398,7 +398,7 @@ def run_consume_only(dataset, batch_size: int, min_seconds: float, consume: Cons
     batch = default_collate([dataset[i] for i in range(batch_size)])
     window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
     with _OneThread():
-        while not window.add(len(batch), batch_nbytes(batch)):
+        while not window.add(batch_len(batch), batch_nbytes(batch)):
             consume(batch)
     result = window.result()
     result["first_batch_s"] = None  # nothing is loaded

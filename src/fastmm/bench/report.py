@@ -237,7 +237,7 @@ def _notes(case: dict) -> list[str]:
     if "decode_limit" in s:
         d = s["decode_limit"]
         notes.append(
-            f"decode limit L = {d['cores']} x {d['getitem_1_thread_samples_per_s']:.0f}/s = "
+            f"limit L (cores x one thread of __getitem__) = {d['cores']} x {d['getitem_1_thread_samples_per_s']:.0f}/s = "
             f"{d['limit_samples_per_s']:.0f}/s: torch at {d['torch_fraction_of_limit']:.0%} of L, "
             f"fastmm at {d['fastmm_fraction_of_limit']:.0%}"
         )

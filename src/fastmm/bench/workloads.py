@@ -48,6 +48,21 @@ class ClipBankDataset(Dataset):
         return self.bank[0].numel()
 
 
+class CaptionDataset(Dataset):
+    """Batches with no pixels: sample ``i`` is a caption (about 60 characters) and a label, so
+    a batch is a list of strings and a small label tensor. What is left is each loader's fixed
+    cost per batch (messages, pickling, bookkeeping), which image batches hide."""
+
+    def __init__(self, length: int = VIRTUAL_LENGTH):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return f"a photo of object number {index} on a table, seen from the left", index % 1000
+
+
 def image_transform(crop: int = 224):
     """The typical ImageNet-style training augmentation, on PIL images, ending in a plain
     uint8 CHW tensor (``PILToTensor``: no float conversion, no tv_tensors subclass)."""
@@ -83,8 +98,25 @@ class JpegFolderDataset(Dataset):
         return self.transform(rgb)
 
 
-def _bytes(batch: torch.Tensor) -> np.ndarray:
-    """The batch's bytes as a flat uint8 array (a view when the batch is contiguous)."""
+def _leaves(batch) -> list:
+    """The tensors and strings of a batch (a tensor, or lists, tuples and dicts of them; a
+    sample's plain numbers are left out)."""
+    if isinstance(batch, (torch.Tensor, str)):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = batch.values()
+    elif not isinstance(batch, (list, tuple)):
+        return []
+    return [leaf for value in batch for leaf in _leaves(value)]
+
+
+def _bytes(batch) -> np.ndarray:
+    """The batch's bytes as a flat uint8 array (a view when the batch is one contiguous tensor;
+    strings count as their UTF-8 bytes)."""
+    if not isinstance(batch, torch.Tensor):
+        parts = [leaf.encode() if isinstance(leaf, str) else _bytes(leaf).tobytes()
+                 for leaf in _leaves(batch)]
+        return np.frombuffer(b"".join(parts), dtype=np.uint8)
     array = batch.numpy()
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
@@ -126,5 +158,16 @@ def first_batch_digest(batch: torch.Tensor) -> int:
     return zlib.crc32(_bytes(batch))
 
 
-def batch_nbytes(batch: torch.Tensor) -> int:
-    return batch.numel() * batch.element_size()
+def batch_nbytes(batch) -> int:
+    return sum(len(leaf.encode()) if isinstance(leaf, str) else leaf.numel() * leaf.element_size()
+               for leaf in _leaves(batch))
+
+
+def batch_len(batch) -> int:
+    """Samples in a batch: the length of its first tensor or list of strings."""
+    while isinstance(batch, (list, tuple, dict)) and batch:
+        first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+        if isinstance(first, str):
+            break
+        batch = first
+    return len(batch)
