@@ -313,6 +313,8 @@ def test_caption_batches_are_counted_and_read_whole():
     assert workloads.batch_nbytes(batch) == len(text) + 5 * 8
     assert workloads.first_batch_digest(batch) == zlib.crc32(text + labels.numpy().tobytes())
     assert workloads.sum64(batch) != workloads.sum64(default_collate([data[i] for i in range(1, 6)]))
+    alone = default_collate([workloads.CaptionDataset(labels=False)[i] for i in range(5)])
+    assert alone == list(captions) and workloads.batch_len(alone) == 5
 
 
 def test_captions_workload_runs_side_by_side(tmp_path):
@@ -321,10 +323,11 @@ def test_captions_workload_runs_side_by_side(tmp_path):
     out = tmp_path / "out"
     assert cli.main(["--quick", "--workloads", "captions", "--reps", "1", "--mem-reps", "0",
                      "--min-seconds", "0.2", "--warmup-seconds", "0.05", "--out", str(out)]) == 0
-    (case,) = json.loads((out / "results.json").read_text())["cases"]
-    assert case["name"] == "captions-b32"
-    assert case["summary"]["first_batch_identical"]
-    assert {"torch", "fastmm", "getitem-1-thread"} <= set(case["arms"])
+    cases = json.loads((out / "results.json").read_text())["cases"]
+    assert [case["name"] for case in cases] == ["captions-b32", "captions-labels-b32"]
+    for case in cases:
+        assert case["summary"]["first_batch_identical"]
+        assert {"torch", "fastmm", "getitem-1-thread"} <= set(case["arms"])
 
 
 def test_paced_steps_last_step_s():

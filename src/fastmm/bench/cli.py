@@ -203,30 +203,34 @@ def decode_cases(args, corpus) -> list[Case]:
     return cases
 
 
-def captions_case(args) -> Case:
-    dataset = CaptionDataset()
+def captions_cases(args) -> list[Case]:
+    cases = []
     b = args.captions_batch_size
-    arms = _loader_arms(dataset, b, args) + [
-        Arm(
-            "getitem-1-thread",
-            "reference",
-            lambda s, _, __: harness.run_getitem(dataset, s),
-            "dataset[i] alone, sequentially, in the main process, torch on 1 thread",
-        )
-    ]
-    return Case(
-        name=f"captions-b{b}",
-        workload="captions",
-        batch_size=b,
-        num_workers=args.num_workers,
-        description=(
-            "a caption string (~60 characters) and an int label per sample, so a batch is a "
-            f"list of strings and a label tensor: each loader's fixed cost per batch; loop: "
-            f"{args.consume} over the labels' and captions' bytes"
-        ),
-        arms=arms,
-        details={},
-    )
+    for labels in (False, True):
+        dataset = CaptionDataset(labels=labels)
+        arms = _loader_arms(dataset, b, args) + [
+            Arm(
+                "getitem-1-thread",
+                "reference",
+                lambda s, _, __, dataset=dataset: harness.run_getitem(dataset, s),
+                "dataset[i] alone, sequentially, in the main process, torch on 1 thread",
+            )
+        ]
+        cases.append(Case(
+            name=f"captions{'-labels' if labels else ''}-b{b}",
+            workload="captions",
+            batch_size=b,
+            num_workers=args.num_workers,
+            description=(
+                "a caption string (~60 characters) per sample" + (
+                    " and an int label: a batch is a list of strings and a label tensor"
+                    if labels else ": a batch is a list of strings, no tensor at all")
+                + f"; each loader's fixed cost per batch; loop: {args.consume} over its bytes"
+            ),
+            arms=arms,
+            details={"labels": labels},
+        ))
+    return cases
 
 
 def _progress(case: Case, label: str, arm: Arm, fig: dict) -> None:
@@ -606,7 +610,7 @@ def main(argv=None) -> int:
         corpus = ensure_corpus(args.cache_dir, args.num_images, seed=args.seed, log=_log)
         cases.extend(decode_cases(args, corpus))
     if "captions" in args.workloads:
-        cases.append(captions_case(args))
+        cases.extend(captions_cases(args))
     results = {
         "format": RESULTS_FORMAT,
         "environment": environment,

@@ -49,18 +49,21 @@ class ClipBankDataset(Dataset):
 
 
 class CaptionDataset(Dataset):
-    """Batches with no pixels: sample ``i`` is a caption (about 60 characters) and a label, so
-    a batch is a list of strings and a small label tensor. What is left is each loader's fixed
-    cost per batch (messages, pickling, bookkeeping), which image batches hide."""
+    """Batches with no pixels: sample ``i`` is a caption (about 60 characters), with
+    ``labels`` also an int label, so a batch is a list of strings (and a small label tensor).
+    What is left is each loader's fixed cost per batch (messages, pickling, bookkeeping), which
+    image batches hide."""
 
-    def __init__(self, length: int = VIRTUAL_LENGTH):
+    def __init__(self, labels: bool = True, length: int = VIRTUAL_LENGTH):
+        self.labels = labels
         self.length = length
 
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> tuple[str, int]:
-        return f"a photo of object number {index} on a table, seen from the left", index % 1000
+    def __getitem__(self, index: int):
+        caption = f"a photo of object number {index} on a table, seen from the left"
+        return (caption, index % 1000) if self.labels else caption
 
 
 def image_transform(crop: int = 224):
