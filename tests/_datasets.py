@@ -600,6 +600,19 @@ def collate_numpy(batch):
     return {"np": x, "np_big": np.repeat(x, 500, axis=0), "list": [a.tolist() for a in x]}
 
 
+def collate_numpy_kinds(batch):
+    """NumPy arrays of every kind a custom collate_fn returns: big ones travel in slabs unless
+    pickling would give them back changed (read-only, strided, non-native byte order)."""
+    x = torch.stack(batch).numpy().astype(np.uint8).repeat(200, axis=1)  # > 16 KiB
+    return {"u8": x, "fortran": np.asfortranarray(x.astype(np.float32)),
+            "read_only": np.frombuffer(x.tobytes(), np.uint8), "strided": x[:, ::2],
+            "big_endian": x.astype(">i4"), "f16": x.astype(np.float16), "bool": x > 3,
+            "c128": x[:, :8].astype(np.complex128), "u32": x.astype(np.uint32),
+            "small": x[:, :4].copy(), "empty": np.zeros((0, 5000)), "0d": np.array(2.5),
+            "objects": np.array([{"a": 1}] * 3000, dtype=object), "same": [x, x],
+            "tensor_too": torch.from_numpy(x)}
+
+
 # --------------------------------------------------------------------------------------------
 # Comparison helpers
 # --------------------------------------------------------------------------------------------
@@ -628,6 +641,10 @@ def assert_same(a, b, path: str = "batch", strides: bool = False) -> None:
     if isinstance(a, np.ndarray):
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
         assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        if strides:
+            flags = ("C_CONTIGUOUS", "F_CONTIGUOUS", "WRITEABLE", "ALIGNED")
+            assert (a.strides, [a.flags[f] for f in flags]) == (b.strides, [b.flags[f] for f in flags]), \
+                f"{path}: strides or flags differ"
         assert np.array_equal(a, b), f"{path}: values differ"
         return
     if isinstance(a, np.generic):

@@ -317,6 +317,20 @@ def test_caption_batches_are_counted_and_read_whole():
     assert alone == list(captions) and workloads.batch_len(alone) == 5
 
 
+def test_numpy_transport_case_runs_side_by_side(tmp_path):
+    """Batches a collate_fn keeps in NumPy: both loaders deliver the same bytes."""
+    from fastmm.bench import cli
+
+    out = tmp_path / "out"
+    assert cli.main(["--quick", "--workloads", "transport", "--clip-modes", "numpy", "--reps", "1",
+                     "--mem-reps", "0", "--min-seconds", "0.2", "--warmup-seconds", "0.05",
+                     "--clip-shape", ",".join(map(str, CLIP)), "--out", str(out)]) == 0
+    (case,) = json.loads((out / "results.json").read_text())["cases"]
+    assert case["name"] == f"transport-numpy-b{BATCH}" and case["summary"]["first_batch_identical"]
+    assert {"torch", "fastmm", "single-process", "single-reuse", "consume-alone"} <= set(case["arms"])
+    assert "collate_fn=stack_numpy" in case["arms"]["fastmm"]["description"]
+
+
 def test_captions_workload_runs_side_by_side(tmp_path):
     from fastmm.bench import cli
 

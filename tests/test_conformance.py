@@ -46,6 +46,7 @@ from _datasets import (
     collate_nested,
     collate_noncontig,
     collate_numpy,
+    collate_numpy_kinds,
     collate_stack_sum,
     record_init_state,
     set_offset,
@@ -193,6 +194,8 @@ CASES = [
     ),
     Case("collate_fn_noncontig_views_w2", lambda: SampleDataset(9), lambda: dict(batch_size=3, collate_fn=collate_noncontig, num_workers=2)),
     Case("collate_fn_numpy_w2", lambda: SampleDataset(9), lambda: dict(batch_size=3, collate_fn=collate_numpy, num_workers=2)),
+    Case("collate_fn_numpy_kinds_w2", lambda: SampleDataset(9),
+         lambda: dict(batch_size=3, collate_fn=collate_numpy_kinds, num_workers=2)),
     Case("collate_fn_identity_w2", lambda: SampleDataset(7, "containers"), lambda: dict(batch_size=3, collate_fn=collate_identity, num_workers=2)),
     # --- worker_init_fn -----------------------------------------------------------------------
     Case(
@@ -348,7 +351,7 @@ def assert_epochs_equal(expected: list[list], actual: list[list], ordered: bool)
             exp = sorted(exp, key=canonical)
             act = sorted(act, key=canonical)
         for b, (x, y) in enumerate(zip(exp, act)):
-            assert_same(x, y, f"epoch {e} batch {b}")
+            assert_same(x, y, f"epoch {e} batch {b}", strides=True)
 
 
 def test_enough_configurations():

@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -90,6 +91,32 @@ def test_ring_reuses_slabs_in_steady_state(path, monkeypatch):
         # 50 batches went through; each worker needs only prefetch + a few slabs.
         assert created <= 2 * (loader.prefetch_factor + 2)
         del it, batch
+        gc.collect()
+        assert _wait_until(lambda: used_bytes(shm) == 0)
+
+
+
+def _numpy_stack(batch):
+    return np.stack([image.numpy() for image, _ in batch]), np.array([i for _, i in batch])
+
+
+def test_numpy_batches_travel_in_slabs_and_give_them_back(path, monkeypatch):
+    """A custom collate_fn's NumPy batch views a slab in the main process (no pickled copy),
+    and its slab goes back when the array is dropped, as a tensor's does."""
+    with private_tmpfs("256m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        loader = fastmm.DataLoader(Frames(400), batch_size=8, num_workers=2, collate_fn=_numpy_stack)
+        it = iter(loader)
+        created = 0
+        for k, batch in enumerate(it):
+            images = batch[0]
+            assert type(images) is np.ndarray and images.flags.writeable
+            _check([torch.from_numpy(a) for a in batch], 8 * k, 8)
+            assert any(_address(mm) <= images.ctypes.data < _address(mm) + len(mm)
+                       for mm in it._ring._maps.values())
+            created = max(created, len(it._ring._maps))
+        assert created <= 2 * (loader.prefetch_factor + 2)
+        del it, batch, images
         gc.collect()
         assert _wait_until(lambda: used_bytes(shm) == 0)
 

@@ -3,8 +3,9 @@
 ``default_collate`` runs as torch's own ``collate`` with one change: a batched tensor is
 allocated in the worker's slab instead of a new shared-memory segment, and each sample is
 copied straight into its slot. Whatever a custom ``collate_fn`` returns travels too: every
-plain CPU tensor in it is copied into the slab (or inlined, if tiny) by the pickler, and the
-main process gets tensors that view the slab without a copy.
+plain CPU tensor (and NumPy array over 16 KiB) in it is copied into the slab (or inlined, if
+tiny) by the pickler, and the main process gets tensors (arrays) that view the slab without a
+copy.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
+import numpy as np
 import torch
 from torch.utils.data._utils.collate import (
     collate,
@@ -89,7 +91,8 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 class _SlabPickler(pickle.Pickler):
-    """Pickles a batch with each plain CPU tensor replaced by a reference to its storage.
+    """Pickles a batch with each plain CPU tensor (and slab-worthy NumPy array) replaced by a
+    reference to its storage.
 
     Every storage the batch uses is copied once (only the bytes its tensors reach), so
     tensors that share memory in the worker share it in the main process, the same tensor
@@ -106,11 +109,20 @@ class _SlabPickler(pickle.Pickler):
         self.tensors: list[tuple] = []  # (storage index, dtype, shape, stride, byte offset)
 
     def reducer_override(self, obj):
+        if type(obj) is np.ndarray:
+            tensor = _slab_worthy_array(obj)
+            if tensor is None:
+                return NotImplemented
+            return _slab_array, self._add(tensor)
         if not _plain_cpu_tensor(obj):
             reduce = ForkingPickler._extra_reducers.get(type(obj))  # torch's, for the rest
             return NotImplemented if reduce is None else reduce(obj)
         if obj.numel() == 0:
             return _empty_tensor, (obj.dtype, tuple(obj.shape), obj.stride())
+        return _slab_tensor, self._add(obj)
+
+    def _add(self, obj: torch.Tensor) -> tuple[int]:
+        """Note a tensor's storage and place in it; the reference to it, as reduce arguments."""
         storage = obj.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         lo, hi = _byte_span(obj)
@@ -122,7 +134,7 @@ class _SlabPickler(pickle.Pickler):
             entry = self.storages[slot]
             entry[1], entry[2] = min(entry[1], lo), max(entry[2], hi)
         self.tensors.append((slot, obj.dtype, tuple(obj.shape), obj.stride(), lo))
-        return _slab_tensor, (len(self.tensors) - 1,)
+        return (len(self.tensors) - 1,)
 
     def place(self, writer) -> tuple[list, list]:
         """Copy each storage's reachable bytes into the slab (or inline them): the tables
@@ -145,8 +157,26 @@ class _SlabPickler(pickle.Pickler):
 
 
 
+def _slab_worthy_array(array: np.ndarray) -> torch.Tensor | None:
+    """A tensor sharing a NumPy array's memory, when the array is worth a slab (a custom
+    ``collate_fn``'s batch: pickled, torch's way, it is copied four times) and comes back from
+    one just as pickle would give it back: contiguous, writable, of a dtype torch knows."""
+    if array.nbytes <= INLINE_MAX_BYTES or not array.flags.writeable or not (
+            array.flags.c_contiguous or array.flags.f_contiguous):
+        return None
+    try:
+        return torch.from_numpy(array)
+    except (TypeError, ValueError):  # object or structured dtypes, non-native byte order
+        return None
+
+
 def _slab_tensor(index: int):
     """Stands for a tensor in a packed batch; _SlabUnpickler makes the tensor instead."""
+    raise pickle.UnpicklingError("a packed batch is read with collate.unpack")
+
+
+def _slab_array(index: int):
+    """Stands for a NumPy array in a packed batch, as _slab_tensor does for a tensor."""
     raise pickle.UnpicklingError("a packed batch is read with collate.unpack")
 
 
@@ -165,6 +195,8 @@ class _SlabUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if module == __name__ and name == "_slab_tensor":
             return self._tensor
+        if module == __name__ and name == "_slab_array":
+            return lambda index: self._tensor(index).numpy()  # it keeps the tensor alive
         return super().find_class(module, name)
 
     def _storage(self, slot: int):
@@ -192,7 +224,7 @@ class _SlabUnpickler(pickle.Unpickler):
 def pack(data, writer) -> tuple:
     """Pickle ``data`` with its tensors' memory placed in ``writer``'s slabs."""
     buf = io.BytesIO()
-    pickler = _SlabPickler(buf, pickle.HIGHEST_PROTOCOL)
+    pickler = _SlabPickler(buf, pickle.DEFAULT_PROTOCOL)  # as torch: arrays come back alike
     pickler.dump(data)
     places, tensors = pickler.place(writer)
     return places, tensors, buf.getvalue()

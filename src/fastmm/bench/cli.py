@@ -31,6 +31,7 @@ from .workloads import (
     CaptionDataset,
     ClipBankDataset,
     JpegFolderDataset,
+    stack_numpy,
 )
 
 WORKLOADS = ("transport", "decode", "captions")
@@ -89,12 +90,13 @@ class Case:
 
 
 def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: int, consume,
-                seed: int) -> Arm:
+                seed: int, collate_fn=None) -> Arm:
     def make():
         # The same global seed before every loader: both draw the same base seed, so their
         # workers' random transforms (decode) make the same batches and the digests compare.
         torch.manual_seed(seed)
-        return loader_class(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+        return loader_class(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                            collate_fn=collate_fn)
 
     def run(min_seconds: float, sample_pss: bool, step_s: float | None) -> dict:
         return harness.run_loader(make, num_workers, min_seconds, consume, sample_pss=sample_pss,
@@ -106,20 +108,21 @@ def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: 
         "loader",
         run,
         f"{loader_class.__module__}.{loader_class.__qualname__}(batch_size={batch_size}, "
-        f"num_workers={num_workers}, shuffle=False; other arguments default), built right "
-        f"after torch.manual_seed({seed})",
+        f"num_workers={num_workers}, shuffle=False"
+        + (f", collate_fn={collate_fn.__name__}" if collate_fn else "")
+        + f"; other arguments default), built right after torch.manual_seed({seed})",
     )
 
 
-def _loader_arms(dataset, batch_size: int, args) -> list[Arm]:
+def _loader_arms(dataset, batch_size: int, args, collate_fn=None) -> list[Arm]:
     import fastmm
 
     consume = CONSUMERS[args.consume][0]
     return [
         _loader_arm("torch", torch.utils.data.DataLoader, dataset, batch_size, args.num_workers,
-                    consume, args.seed),
+                    consume, args.seed, collate_fn),
         _loader_arm("fastmm", fastmm.DataLoader, dataset, batch_size, args.num_workers, consume,
-                    args.seed),
+                    args.seed, collate_fn),
     ]
 
 
@@ -128,13 +131,15 @@ def transport_case(args, clip_mode: str) -> Case:
     dataset = ClipBankDataset(shape, bank_size=args.clip_bank, mode=clip_mode, seed=args.seed)
     b = args.transport_batch_size
     consume = CONSUMERS[args.consume][0]
-    arms = _loader_arms(dataset, b, args) + [
+    collate_fn = stack_numpy if clip_mode == "numpy" else torch.utils.data.default_collate
+    arms = _loader_arms(dataset, b, args, stack_numpy if clip_mode == "numpy" else None) + [
         Arm(
             "single-process",
             "reference",
-            lambda s, _, __: harness.run_single_process(dataset, b, s, consume),
-            f"getitem x batch + default_collate + {args.consume} of the batch, in the main "
-            "process, torch on 1 thread",
+            lambda s, _, __: harness.run_single_process(dataset, b, s, consume,
+                                                        collate_fn=collate_fn),
+            f"getitem x batch + {collate_fn.__name__} + {args.consume} of the batch, in the "
+            "main process, torch on 1 thread",
         ),
         Arm(
             "single-reuse",
@@ -146,7 +151,7 @@ def transport_case(args, clip_mode: str) -> Case:
         Arm(
             "consume-alone",
             "reference",
-            lambda s, _, __: harness.run_consume_only(dataset, b, s, consume),
+            lambda s, _, __: harness.run_consume_only(dataset, b, s, consume, collate_fn),
             f"the loop's consumer ({args.consume}) over one batch already in memory, repeatedly, "
             "on one thread (the loop's own cost)",
         ),
@@ -159,8 +164,10 @@ def transport_case(args, clip_mode: str) -> Case:
         num_workers=args.num_workers,
         description=(
             f"{shape_text} uint8 clips from a bank of {args.clip_bank} (getitem returns a "
-            f"{'fresh clone' if clip_mode == 'clone' else 'view of the bank, no copy'}); loop: "
-            f"{args.consume} over every byte of each batch"
+            + {"clone": "fresh clone", "view": "view of the bank, no copy",
+               "numpy": "view of the bank as a NumPy array, and collate_fn=stack_numpy keeps "
+                        "the batch one"}[clip_mode]
+            + f"); loop: {args.consume} over every byte of each batch"
         ),
         arms=arms,
         details={
@@ -531,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="transport cases to run, comma-separated: 'view' (getitem returns the "
                         "bank's tensor: the batch copy is the only copy, so transport dominates) "
                         "and/or 'clone' (a fresh copy per sample, as a decoder would hand out) "
+                        "and/or 'numpy' (the view as a NumPy array, batched by a collate_fn "
+                        "that keeps NumPy) "
                         f"(default {FULL['clip_modes']})"),
     parser.add_argument("--decode-batch-sizes",
                         help=f"comma-separated (default {FULL['decode_batch_sizes']})")
@@ -582,8 +591,8 @@ def parse_args(argv=None):
     if not shape or min(shape) < 1:
         parser.error(f"--clip-shape must be positive integers separated by commas, got {args.clip_shape!r}")
     args.clip_modes = [m.strip() for m in str(args.clip_modes).split(",") if m.strip()]
-    if not args.clip_modes or set(args.clip_modes) - {"view", "clone"}:
-        parser.error(f"--clip-modes: choose from view,clone; got {args.clip_modes}")
+    if not args.clip_modes or set(args.clip_modes) - {"view", "clone", "numpy"}:
+        parser.error(f"--clip-modes: choose from view,clone,numpy; got {args.clip_modes}")
     args.cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return args
 

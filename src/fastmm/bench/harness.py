@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import psutil
 import torch
 from torch.utils.data import default_collate
@@ -357,8 +358,8 @@ class _OneThread:
 
 
 def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Consumer,
-                       reuse_batch: bool = False) -> dict:
-    """Everything a loader does for a batch (``__getitem__`` x batch_size, ``default_collate``)
+                       reuse_batch: bool = False, collate_fn=default_collate) -> dict:
+    """Everything a loader does for a batch (``__getitem__`` x batch_size, ``collate_fn``)
     plus ``consume``, in this process on one thread: the rate one core reaches alone.
 
     With ``reuse_batch`` the samples are stacked into one preallocated batch tensor reused for
@@ -373,12 +374,16 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Co
     with _OneThread():
         while True:
             samples = [dataset[i] for i in range(index, index + batch_size)]
-            if reuse_batch:
+            if reuse_batch and isinstance(samples[0], np.ndarray):
+                if out is None:
+                    out = np.empty((batch_size, *samples[0].shape), dtype=samples[0].dtype)
+                batch = np.stack(samples, 0, out=out)
+            elif reuse_batch:
                 if out is None:
                     out = torch.empty((batch_size, *samples[0].shape), dtype=samples[0].dtype)
                 batch = torch.stack(samples, 0, out=out)
             else:
-                batch = default_collate(samples)
+                batch = collate_fn(samples)
             del samples
             index += batch_size
             consume(batch)
@@ -390,12 +395,13 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Co
     return {**window.result(), "loadavg_1m_at_start": load1, "first_batch_crc32": digest[0]}
 
 
-def run_consume_only(dataset, batch_size: int, min_seconds: float, consume: Consumer) -> dict:
+def run_consume_only(dataset, batch_size: int, min_seconds: float, consume: Consumer,
+                     collate_fn=default_collate) -> dict:
     """``consume`` alone over one batch already in memory, on one thread: the rate the training
     loop's own reading allows, the ceiling for any loader."""
     gc.collect()
     load1 = os.getloadavg()[0]
-    batch = default_collate([dataset[i] for i in range(batch_size)])
+    batch = collate_fn([dataset[i] for i in range(batch_size)])
     window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
     with _OneThread():
         while not window.add(batch_len(batch), batch_nbytes(batch)):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-ClipMode = Literal["clone", "view"]
+ClipMode = Literal["clone", "view", "numpy"]
 
 VIRTUAL_LENGTH = 1 << 40  # "endless": the harness stops on time, never by running out
 
@@ -24,13 +24,14 @@ class ClipBankDataset(Dataset):
 
     ``mode="clone"`` (the default) returns a fresh copy, the way a real decoder hands out new
     memory for every sample; ``mode="view"`` returns the bank's own tensor (no per-sample copy,
-    so collation is the only copy in the worker).
+    so collation is the only copy in the worker); ``mode="numpy"`` returns it as a NumPy array,
+    for a ``collate_fn`` that keeps batches in NumPy (``stack_numpy``).
     """
 
     def __init__(self, shape: tuple[int, ...], bank_size: int = 8, mode: ClipMode = "clone",
                  length: int = VIRTUAL_LENGTH, seed: int = 0):
-        if mode not in ("clone", "view"):
-            raise ValueError(f"mode must be 'clone' or 'view', got {mode!r}")
+        if mode not in ("clone", "view", "numpy"):
+            raise ValueError(f"mode must be 'clone', 'view' or 'numpy', got {mode!r}")
         generator = torch.Generator().manual_seed(seed)
         self.bank = torch.randint(0, 256, (bank_size, *shape), dtype=torch.uint8, generator=generator)
         self.mode = mode
@@ -39,13 +40,20 @@ class ClipBankDataset(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> torch.Tensor | np.ndarray:
         clip = self.bank[index % len(self.bank)]
+        if self.mode == "numpy":
+            return clip.numpy()
         return clip.clone() if self.mode == "clone" else clip
 
     @property
     def sample_bytes(self) -> int:
         return self.bank[0].numel()
+
+
+def stack_numpy(batch: list[np.ndarray]) -> np.ndarray:
+    """A custom ``collate_fn`` that keeps the batch a NumPy array (as JAX-bound pipelines do)."""
+    return np.stack(batch)
 
 
 class CaptionDataset(Dataset):
@@ -102,9 +110,9 @@ class JpegFolderDataset(Dataset):
 
 
 def _leaves(batch) -> list:
-    """The tensors and strings of a batch (a tensor, or lists, tuples and dicts of them; a
-    sample's plain numbers are left out)."""
-    if isinstance(batch, (torch.Tensor, str)):
+    """The tensors, arrays and strings of a batch (one of them, or lists, tuples and dicts of
+    them; a sample's plain numbers are left out)."""
+    if isinstance(batch, (torch.Tensor, np.ndarray, str)):
         return [batch]
     if isinstance(batch, dict):
         batch = batch.values()
@@ -116,11 +124,11 @@ def _leaves(batch) -> list:
 def _bytes(batch) -> np.ndarray:
     """The batch's bytes as a flat uint8 array (a view when the batch is one contiguous tensor;
     strings count as their UTF-8 bytes)."""
-    if not isinstance(batch, torch.Tensor):
+    if not isinstance(batch, (torch.Tensor, np.ndarray)):
         parts = [leaf.encode() if isinstance(leaf, str) else _bytes(leaf).tobytes()
                  for leaf in _leaves(batch)]
         return np.frombuffer(b"".join(parts), dtype=np.uint8)
-    array = batch.numpy()
+    array = batch.numpy() if isinstance(batch, torch.Tensor) else batch
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array.reshape(-1).view(np.uint8)
@@ -162,7 +170,8 @@ def first_batch_digest(batch: torch.Tensor) -> int:
 
 
 def batch_nbytes(batch) -> int:
-    return sum(len(leaf.encode()) if isinstance(leaf, str) else leaf.numel() * leaf.element_size()
+    return sum(len(leaf.encode()) if isinstance(leaf, str) else
+               leaf.nbytes if isinstance(leaf, np.ndarray) else leaf.numel() * leaf.element_size()
                for leaf in _leaves(batch))
 
 
