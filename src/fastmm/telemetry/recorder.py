@@ -293,16 +293,19 @@ def wrap_dataset(dataset, log: SpanLog):
     return TimedDataset(dataset, log)
 
 
-_SELF = None
+_proc_io: tuple[int, int] | None = None  # (pid, fd of its /proc/self/io)
 
 
 def _read_chars() -> int:
-    global _SELF
-    import psutil
-
-    if _SELF is None or _SELF.pid != os.getpid():
-        _SELF = psutil.Process()
+    """Bytes this process has read so far (``rchar``); 0 where it cannot be known. The file
+    stays open: a pread costs 2 us, where psutil's io_counters (it parses the whole file)
+    cost workers 18 us a batch."""
+    global _proc_io
+    pid = os.getpid()
     try:
-        return _SELF.io_counters().read_chars
-    except psutil.Error:
+        if _proc_io is None or _proc_io[0] != pid:  # a forked child has its parent's
+            _proc_io = (pid, os.open("/proc/self/io", os.O_RDONLY | os.O_CLOEXEC))
+        head = os.pread(_proc_io[1], 64, 0)
+    except OSError:
         return 0
+    return int(head.split(b"\n", 1)[0].split()[1])  # "rchar: N"
