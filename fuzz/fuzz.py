@@ -262,7 +262,7 @@ def collate_payload(n: int) -> bytes:
         def __reduce__(self):
             return collate._slab_tensor, (int(self),)
 
-    return collate.pickle.dumps([Ref(i) for i in range(n)], collate.pickle.HIGHEST_PROTOCOL)
+    return collate.pickle.dumps([Ref(i) for i in range(n)], collate.pickle.DEFAULT_PROTOCOL)
 
 
 def _layout_seeds() -> list[bytes]:

@@ -131,8 +131,9 @@ def transport_case(args, clip_mode: str) -> Case:
     dataset = ClipBankDataset(shape, bank_size=args.clip_bank, mode=clip_mode, seed=args.seed)
     b = args.transport_batch_size
     consume = CONSUMERS[args.consume][0]
-    collate_fn = stack_numpy if clip_mode == "numpy" else torch.utils.data.default_collate
-    arms = _loader_arms(dataset, b, args, stack_numpy if clip_mode == "numpy" else None) + [
+    custom_collate = stack_numpy if clip_mode == "numpy" else None
+    collate_fn = custom_collate or torch.utils.data.default_collate
+    arms = _loader_arms(dataset, b, args, custom_collate) + [
         Arm(
             "single-process",
             "reference",

@@ -374,14 +374,11 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Co
     with _OneThread():
         while True:
             samples = [dataset[i] for i in range(index, index + batch_size)]
-            if reuse_batch and isinstance(samples[0], np.ndarray):
+            if reuse_batch:
+                lib = np if isinstance(samples[0], np.ndarray) else torch
                 if out is None:
-                    out = np.empty((batch_size, *samples[0].shape), dtype=samples[0].dtype)
-                batch = np.stack(samples, 0, out=out)
-            elif reuse_batch:
-                if out is None:
-                    out = torch.empty((batch_size, *samples[0].shape), dtype=samples[0].dtype)
-                batch = torch.stack(samples, 0, out=out)
+                    out = lib.empty((batch_size, *samples[0].shape), dtype=samples[0].dtype)
+                batch = lib.stack(samples, 0, out=out)
             else:
                 batch = collate_fn(samples)
             del samples

@@ -308,4 +308,9 @@ def _read_chars() -> int:
         head = os.pread(_proc_io[1], 64, 0)
     except OSError:
         return 0
-    return int(head.split(b"\n", 1)[0].split()[1])  # "rchar: N"
+    return rchar(head)
+
+
+def rchar(io_head: bytes) -> int:
+    """``rchar`` from the start of a /proc .../io file (its first line: "rchar: N")."""
+    return int(io_head.split(b"\n", 1)[0].split()[1])

@@ -23,7 +23,7 @@ import torch
 
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, distribution
-from .recorder import STAGES, SpanLog, TimedCollate, deactivate, wrap_dataset
+from .recorder import STAGES, SpanLog, TimedCollate, deactivate, rchar, wrap_dataset
 from .sampler import Sampler
 
 
@@ -305,13 +305,10 @@ def _thread_read_chars(tid: int) -> int:
     """Bytes one thread of this process has read (rchar in /proc/self/task/TID/io; psutil
     has no per-thread I/O counters)."""
     try:
-        with open(f"/proc/self/task/{tid}/io") as f:
-            for line in f:
-                if line.startswith("rchar:"):
-                    return int(line.split()[1])
+        with open(f"/proc/self/task/{tid}/io", "rb") as f:
+            return rchar(f.read(64))
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 def _event_s(ev0, ev1) -> float:
