@@ -286,6 +286,53 @@ def test_full_shm_is_a_clear_error_not_a_sigbus(path, monkeypatch, helpers_befor
         assert _wait_until(lambda: _children() <= helpers_before)
 
 
+_FEW_FILES = textwrap.dedent(
+    """
+    import gc, os, resource, sys, psutil, torch, fastmm
+    from torch.utils.data import Dataset
+
+    class Images(Dataset):
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            return torch.full((3, 128, 128), i, dtype=torch.uint8)
+
+    spare, workers = int(sys.argv[1]), int(sys.argv[2])
+    limit = len(os.listdir("/proc/self/fd")) + spare
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    kept = []
+    try:
+        for batch in fastmm.DataLoader(Images(), batch_size=2, num_workers=workers):
+            kept.append(batch)  # every batch kept: the ring grows a slab per batch
+    except RuntimeError as e:
+        print(str(e).replace(chr(10), " "))
+    else:
+        print("no error", len(kept))
+    del kept
+    gc.collect()
+    print(len(psutil.Process().children()))
+    """
+)
+
+
+@pytest.mark.parametrize("spare, workers, where", [
+    (8, 8, "starting DataLoader worker"),  # not enough for the workers' channels
+    (24, 2, "slab"),  # the workers start; the kept batches' slabs run out of descriptors
+])
+def test_too_few_file_descriptors_is_a_clear_error(path, tmp_path, spare, workers, where):
+    """Running out of descriptors is torch's RuntimeError naming the limit and the remedies
+    (it was a bare OSError from socketpair or mmap), and leaves no worker behind."""
+    script = tmp_path / "few_files.py"
+    script.write_text(_FEW_FILES)
+    run = subprocess.run([sys.executable, str(script), str(spare), str(workers)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    message, children = run.stdout.splitlines()[-2:]
+    assert "Too many open files while" in message
+    assert where in message and "ulimit -n" in message and "this process may open" in message
+    assert children == "0"
+
+
 def _slab_pss(pid: int, starts: set[int] | None = None) -> int:
     """Proportional resident bytes of a process's slab mappings (files on /dev/shm or memfd),
     or only of those starting at ``starts``."""

@@ -46,7 +46,7 @@ from ._workers import StopFlag, worker_loop
 from ._wrappers import all_wrapped
 from .config import TelemetryConfig, TransportConfig
 from .dataset import skip_counters
-from .slabs import SlabRing
+from .slabs import SlabRing, open_files_guard
 from .stream import ShardStream
 from .telemetry import Telemetry
 
@@ -346,10 +346,37 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._reset(loader, first_iter=True)
 
     def _start_worker(self, worker_id: int, restore: tuple) -> None:
-        index_queue = self._context.Queue()
-        index_queue.cancel_join_thread()
-        result_recv, result_send = self._context.Pipe(duplex=False)
-        fd_main, fd_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ends = []  # closed again if the worker cannot start
+        try:
+            with open_files_guard(f"starting DataLoader worker {worker_id}"):
+                index_queue = self._context.Queue()
+                index_queue.cancel_join_thread()
+                ends.append(index_queue)
+                ends.extend(self._context.Pipe(duplex=False))
+                ends.extend(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+                result_recv, result_send, fd_main, fd_worker = ends[1:]
+                process = self._launch_worker(worker_id, restore, index_queue, result_send,
+                                              fd_worker)
+        except BaseException as e:
+            for end in ends:
+                end.close()
+            if isinstance(e, (TypeError, AttributeError, pickle.PicklingError)):
+                warnings.warn(  # torch's words (spawn and forkserver pickle the arguments)
+                    "Got pickle error when attempting to start a worker Process. This might be "
+                    "because the worker Process arguments are not picklable. Python 3.14+ "
+                    "changed the multiprocessing start method in non-Mac POSIX platforms to "
+                    "'forkserver', which requires the worker Process arguments to be picklable. "
+                    "You can also try multiprocessing.set_start_method('fork').", stacklevel=2)
+            raise
+        result_send.close()
+        fd_worker.close()
+        self._index_queues[worker_id] = index_queue
+        self._workers[worker_id] = process
+        self._result_conns[worker_id] = result_recv
+        self._fd_socks[worker_id] = fd_main
+
+    def _launch_worker(self, worker_id, restore, index_queue, result_send, fd_worker):
+        """Start the worker process on its ends of the channels."""
         process = self._context.Process(
             target=worker_loop,
             args=(
@@ -377,25 +404,8 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         )
         if self._counters is not None:
             self._last_counts[worker_id] = self._counters.row(worker_id)
-        try:
-            process.start()
-        except BaseException as e:
-            for end in (result_recv, result_send, fd_main, fd_worker, index_queue):
-                end.close()
-            if isinstance(e, (TypeError, AttributeError, pickle.PicklingError)):
-                warnings.warn(  # torch's words (spawn and forkserver pickle the arguments)
-                    "Got pickle error when attempting to start a worker Process. This might be "
-                    "because the worker Process arguments are not picklable. Python 3.14+ "
-                    "changed the multiprocessing start method in non-Mac POSIX platforms to "
-                    "'forkserver', which requires the worker Process arguments to be picklable. "
-                    "You can also try multiprocessing.set_start_method('fork').", stacklevel=2)
-            raise
-        result_send.close()
-        fd_worker.close()
-        self._index_queues[worker_id] = index_queue
-        self._workers[worker_id] = process
-        self._result_conns[worker_id] = result_recv
-        self._fd_socks[worker_id] = fd_main
+        process.start()
+        return process
 
     def _replace_worker(self, worker_id: int, fault: bool = True) -> None:
         """A new worker in the place of a dead one (on_worker_failure="respawn") or of one

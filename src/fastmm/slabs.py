@@ -24,6 +24,7 @@ reserved at creation, so a full /dev/shm raises SharedMemoryError instead of a S
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import mmap
 import os
@@ -90,6 +91,28 @@ def _shm_error(exc: OSError, nbytes: int, shm_dir: str) -> SharedMemoryError:
         f"({os.strerror(exc.errno or 0)}): {where}. Give the container more shared memory "
         "(e.g. docker --shm-size), set FASTMM_SHM_DIR to a larger tmpfs, or lower batch_size, "
         "prefetch_factor or num_workers."
+    )
+
+
+@contextlib.contextmanager
+def open_files_guard(doing: str):
+    """Running out of file descriptors raises torch's kind of error (RuntimeError, "Too many
+    open files") with fastmm's remedies, instead of a bare OSError from deep in the transport."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise _too_many_files(doing) from exc
+
+
+def _too_many_files(doing: str) -> RuntimeError:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return RuntimeError(
+        f"Too many open files while {doing} (this process may open {soft}). Each DataLoader "
+        "worker holds a few descriptors, and each slab the main process maps holds one (about "
+        "prefetch_factor + 2 per worker, more while batches are kept alive). Raise the limit "
+        "(`ulimit -n`), lower num_workers or prefetch_factor, or keep fewer batches."
     )
 
 
@@ -198,12 +221,18 @@ class SlabWriter:
             return best
         capacity = _round_up(want, _GRANULE)
         try:
-            fd = self._native.create_slab(self._config.shm_dir, capacity)
+            with open_files_guard("creating a shared-memory slab in a worker"):
+                fd = self._native.create_slab(self._config.shm_dir, capacity)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise _shm_error(exc, capacity, self._config.shm_dir) from None
             raise
-        mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        try:
+            with open_files_guard("mapping a shared-memory slab in a worker"):
+                mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.close(fd)
+            raise
         address = _address(mm)
         slab_id = self._next_id
         self._next_id += 1
@@ -249,17 +278,16 @@ class SlabRing:
 
     def receive(self, worker_id: int, fd_sock: socket.socket, new: list[tuple[int, int]]) -> None:
         """Map the slabs a worker just created (their fds wait on ``fd_sock``)."""
+        doing = f"mapping the slabs of DataLoader worker {worker_id}"
         _, fds, flags, _ = socket.recv_fds(fd_sock, 1, len(new))
         try:
-            if flags & socket.MSG_CTRUNC or len(fds) != len(new):
-                raise RuntimeError(
-                    f"fastmm: expected {len(new)} slab descriptors from worker {worker_id}, "
-                    f"got {len(fds)}; raise the open-file limit (ulimit -n)"
-                )
+            if flags & socket.MSG_CTRUNC or len(fds) != len(new):  # no room for the kernel's
+                raise _too_many_files(doing)
             for (slab_id, capacity), fd in zip(new, fds):
                 # Unpinned slabs map lazily: pages enter this process when the loop reads them.
                 flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._pin is not None else 0)
-                mm = mmap.mmap(fd, capacity, flags=flags)
+                with open_files_guard(doing):  # the mapping keeps a duplicate descriptor
+                    mm = mmap.mmap(fd, capacity, flags=flags)
                 if self._pin is not None:
                     self._pin(_address(mm), capacity)
                 self._maps[(worker_id, slab_id)] = mm
