@@ -9,6 +9,7 @@ costs one global lookup.
 from __future__ import annotations
 
 import multiprocessing.context
+import multiprocessing.heap
 import multiprocessing.sharedctypes
 import os
 import struct
@@ -43,26 +44,29 @@ os.register_at_fork(after_in_child=_forget_in_child)
 class SpanLog:
     """Rings of (stage, start_ns, end_ns, value) records, one row per process."""
 
-    def __init__(self, rows: int = ROWS, capacity: int = CAPACITY):
+    def __init__(self, rows: int = ROWS, capacity: int = CAPACITY, shared=None):
         self.rows, self.capacity = rows, capacity
-        self._array = multiprocessing.sharedctypes.RawArray("q", rows * (1 + capacity * _FIELDS))
-        # per row: bytes read by earlier processes of the row, read_chars when this one started
-        # recording, and its latest read_chars (updated after each batch it collates)
-        self._io = multiprocessing.sharedctypes.RawArray("q", rows * 3)
-        self._view = None
-        self._bytes = None  # byte view for writing (struct is ~3x cheaper than NumPy per record)
         self._row_bytes = 8 * (1 + capacity * _FIELDS)
+        if shared is None:
+            # A sparse shared file (34 MiB at the defaults): its pages are made as records are
+            # written. Only each row's count must start at zero (RawArray would zero-fill it
+            # all, ~25 ms and the whole size resident before the first batch).
+            self._buffer = multiprocessing.heap.BufferWrapper(rows * self._row_bytes)
+            # per row: bytes read by earlier processes of the row, read_chars when this one
+            # started recording, and its latest read_chars (updated after each batch it collates)
+            self._io = multiprocessing.sharedctypes.RawArray("q", rows * 3)
+        else:
+            self._buffer, self._io = shared
+        # byte view for writing (struct is ~3x cheaper than NumPy per record)
+        self._bytes = self._buffer.create_memoryview()
+        if shared is None:
+            for row in range(rows):
+                _COUNT.pack_into(self._bytes, row * self._row_bytes, 0)
+        self._view = np.frombuffer(self._bytes, dtype=np.int64).reshape(rows, -1)
         self._drained = [0] * rows
         self.dropped = 0
 
-    def _rows(self) -> np.ndarray:
-        if self._view is None:
-            self._view = np.frombuffer(self._array, dtype=np.int64).reshape(self.rows, -1)
-        return self._view
-
     def write(self, row: int, code: int, start_ns: int, end_ns: int, value: int = 0) -> None:
-        if self._bytes is None:
-            self._bytes = memoryview(self._array).cast("B")
         head = row * self._row_bytes
         n = _COUNT.unpack_from(self._bytes, head)[0]
         _RECORD.pack_into(self._bytes, head + 8 + (n % self.capacity) * 8 * _FIELDS,
@@ -88,7 +92,7 @@ class SpanLog:
     def drain(self) -> np.ndarray:
         """New records since the last drain, as rows of (process row, stage, start, end, value)."""
         out = []
-        rows = self._rows()
+        rows = self._view
         for row in range(self.rows):
             written = int(rows[row, 0])
             start = self._drained[row]
@@ -112,12 +116,10 @@ class SpanLog:
         # Shared with workers as they start (fork or spawn); any other pickle gets a fresh log.
         shared = multiprocessing.context.get_spawning_popen() is not None
         return {"rows": self.rows, "capacity": self.capacity,
-                "arrays": (self._array, self._io) if shared else None}
+                "shared": (self._buffer, self._io) if shared else None}
 
     def __setstate__(self, state):
-        self.__init__(state["rows"], state["capacity"])
-        if state["arrays"] is not None:
-            self._array, self._io = state["arrays"]
+        self.__init__(state["rows"], state["capacity"], state["shared"])
 
 
 def activate(log: SpanLog) -> int:
