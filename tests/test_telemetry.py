@@ -15,7 +15,9 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 import fastmm
-from fastmm.telemetry import METRICS, Telemetry, stage
+from fastmm.telemetry import METRICS, Telemetry
+from fastmm.telemetry.metrics import Distribution
+from _datasets import Staged
 
 LOADERS = {"torch": TorchDataLoader, "fastmm": fastmm.DataLoader}
 
@@ -25,29 +27,13 @@ def loader_cls(request):
     return LOADERS[request.param]
 
 
-class Staged(Dataset):
-    """Each sample: read 4 ms, decode 8 ms, augment 2 ms (sleeps), marked as stages."""
-
-    def __init__(self, n: int = 24):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        with stage("read"):
-            time.sleep(0.004)
-        with stage("decode"):
-            time.sleep(0.008)
-        with stage("augment"):
-            time.sleep(0.002)
-        return torch.full((4,), i)
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stage_latencies_are_the_sleeps(loader_cls, workers):
+@pytest.mark.parametrize("workers, context", [(0, None), (2, None), (2, "spawn")])
+def test_stage_latencies_are_the_sleeps(loader_cls, workers, context):
+    """Spawned workers find the span log by pickle (the others inherit it)."""
     tm = Telemetry()
-    batches = [b for b in tm.watch(loader_cls(Staged(), batch_size=4, num_workers=workers))]
+    loader = loader_cls(Staged(), batch_size=4, num_workers=workers,
+                        multiprocessing_context=context)
+    batches = [b for b in tm.watch(loader)]
     assert torch.equal(torch.cat(batches), torch.arange(24).repeat_interleave(4).view(24, 4))
     m = tm.summary()["metrics"]
     for name, expected in (("read_s", 0.004), ("decode_s", 0.008), ("augment_s", 0.002),
@@ -214,15 +200,23 @@ def test_chrome_trace_has_a_track_per_worker_and_every_span(loader_cls, tmp_path
 
 
 def test_fastmm_turns_it_on_from_the_environment(monkeypatch, tmp_path):
+    """Each loader writes to a directory of its own: a validation loader iterated between
+    training epochs (or another rank on the host) does not overwrite the training one's."""
     monkeypatch.setenv("FASTMM_TELEMETRY", "trace")
     monkeypatch.setenv("FASTMM_TELEMETRY_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
     loader = fastmm.DataLoader(Staged(), batch_size=4, num_workers=2)
+    validation = fastmm.DataLoader(Staged(8), batch_size=4, num_workers=1)
     for epoch in range(2):
         assert len(list(loader)) == 6
-        summary = json.load(open(tmp_path / "summary.json"))
-        assert summary["samples"] == 24 * (epoch + 1)
-        assert summary["metrics"]["first_batch_s"]["count"] == epoch + 1
-    assert (tmp_path / "trace.json").exists()
+        assert len(list(validation)) == 2
+        names = sorted(os.listdir(tmp_path), key=lambda n: int(n.rsplit("loader", 1)[1]))
+        assert len(names) == 2 and all(n.startswith("rank3-loader") for n in names)
+        for name, samples in zip(names, (24, 8)):  # numbered in the order first iterated
+            summary = json.load(open(tmp_path / name / "summary.json"))
+            assert summary["samples"] == samples * (epoch + 1)
+            assert summary["metrics"]["first_batch_s"]["count"] == epoch + 1
+            assert (tmp_path / name / "trace.json").exists()
     monkeypatch.setenv("FASTMM_TELEMETRY", "loud")
     with pytest.raises(fastmm.ConfigError, match="FASTMM_TELEMETRY='loud'"):
         iter(loader)
@@ -231,6 +225,61 @@ def test_fastmm_turns_it_on_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTMM_TELEMETRY_DIR", str(tmp_path / "a-file"))
     with pytest.raises(fastmm.ConfigError, match="FASTMM_TELEMETRY_DIR='.*a-file'.*writable"):
         iter(loader)  # before the epoch, not after it
+
+
+@pytest.mark.parametrize("values", [
+    np.random.default_rng(0).lognormal(-5, 1, 50_000),  # latencies in seconds
+    np.r_[np.zeros(10_000), np.random.default_rng(1).uniform(1e6, 4e9, 40_000)],  # bytes
+])
+def test_distribution_is_exact_then_within_its_bucket_width(values):
+    exact = Distribution(exact_values=len(values))
+    bounded = Distribution(exact_values=1000)
+    for d in (exact, bounded):
+        d.extend(values[:30_000])
+        for v in values[30_000:]:
+            d.add(float(v))
+    expected = dict(zip(("p50", "p95", "p99"), np.percentile(values, [50, 95, 99])))
+    for d in (exact, bounded):
+        got = d.summary()
+        assert got["count"] == len(values) and got["max"] == values.max()
+        assert got["mean"] == pytest.approx(values.mean(), rel=1e-12)
+    assert {k: exact.summary()[k] for k in expected} == expected
+    for k, v in expected.items():
+        assert bounded.summary()[k] == pytest.approx(v, rel=0.004, abs=1e-12), k
+    assert bounded._exact == [] and bounded._buckets.size < 20_000  # no value kept past 1000
+    assert Distribution().summary() is None
+
+
+class Tick(Dataset):
+    def __len__(self):
+        return 600
+
+    def __getitem__(self, i):
+        time.sleep(0.001)
+        return i
+
+
+def test_a_long_run_keeps_memory_bounded(monkeypatch):
+    """Without trace a session keeps no spans and a thinned, even time series, whatever the
+    run's length; its figures still count every sample and every sampler row."""
+    monkeypatch.setattr(Distribution, "EXACT_VALUES", 100)
+    monkeypatch.setattr(Telemetry, "MAX_SERIES_ROWS", 4)
+    tm = Telemetry(interval_s=0.01, pss_interval_s=0.01)
+    rows = []
+    monkeypatch.setattr(tm, "_add_row", lambda row, add=tm._add_row: (rows.append(row), add(row)))
+    loader = fastmm.DataLoader(Tick(), batch_size=8, num_workers=2)
+    for _ in range(3):
+        for _ in tm.watch(loader):
+            pass
+    m = tm.summary()["metrics"]
+    assert tm._spans == [] and all(d._exact == [] for d in tm._stages.values())
+    assert m["sample_s"]["count"] == 1800 and 0.001 <= m["sample_s"]["p50"] <= 0.0025
+    assert m["step_s"]["count"] == 3 * 74 and m["collate_s"]["count"] == 225
+    assert m["main_cpu_percent"]["count"] == len(rows) > 4 * 4
+    assert len(tm._series) <= 4 and tm._row_stride >= 4
+    kept = [rows.index(r) for r in tm._series]
+    assert kept == list(range(0, len(rows), tm._row_stride))[: len(kept)]
+    assert len(rows) - kept[-1] <= tm._row_stride  # even spacing up to the end
 
 
 def test_unwatch_gives_the_loader_back(loader_cls):
@@ -309,6 +358,37 @@ def test_nvml_without_a_gpu_leaves_gpu_figures_empty():
         assert nvml.util_percent() is None  # no driver: no figure, no error
     elif nvml.handle is not None:
         assert 0 <= nvml.util_percent() <= 100
+
+
+class _StandInEvent:
+    """A CUDA event's surface for the CPU: recorded at ``t`` seconds, done once ``done[0]``."""
+
+    def __init__(self, t: float, done: list):
+        self.t, self.done = t, done
+
+    def query(self) -> bool:
+        return self.done[0]
+
+    def synchronize(self) -> None:
+        self.done[0] = True
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_cuda_marks_are_resolved_as_they_finish_and_all_by_the_summary():
+    """Event pairs are not held for the whole run: each drain takes in those done (without
+    waiting), the summary waits for the rest."""
+    tm = Telemetry()
+    first, second = [False], [False]
+    tm._gpu_pending = [("compute", 0, _StandInEvent(0, first), _StandInEvent(0.25, first)),
+                       ("h2d", 0, _StandInEvent(1, second), _StandInEvent(1.5, second))]
+    tm._drain()
+    assert len(tm._gpu_pending) == 2 and tm._gpu_compute_s == 0
+    first[0] = True
+    tm._drain()
+    assert [m[0] for m in tm._gpu_pending] == ["h2d"] and tm._gpu_compute_s == 0.25
+    assert tm.summary()["metrics"]["h2d_s"]["p50"] == 0.5 and tm._gpu_pending == []
 
 
 def test_gpu_marks_time_copies_and_compute_with_cuda_events():

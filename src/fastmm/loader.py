@@ -116,11 +116,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         config = TelemetryConfig.from_env()
         if config.mode == "off":
             return super().__iter__()
-        # FASTMM_TELEMETRY: one session per loader, exported at the end of every epoch
+        # FASTMM_TELEMETRY: one session per loader, exported at the end of every epoch to a
+        # directory of its own (a training and a validation loader, or the ranks of a job on
+        # one host, would overwrite each other's files)
         directory = config.made_directory()
         tm = self.__dict__.get("_fastmm_telemetry")
         if tm is None:
             tm = self.__dict__["_fastmm_telemetry"] = Telemetry(trace=config.mode == "trace")
+            self.__dict__["_fastmm_telemetry_name"] = _telemetry_name()
+        directory = os.path.join(directory, self.__dict__["_fastmm_telemetry_name"])
         return _exported(tm, tm.watch(self, _iterate=super().__iter__), directory)
 
     def _get_iterator(self):
@@ -151,6 +155,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._iterator = None
         self.__dict__["_fastmm_restore"] = progress
         self.__dict__["_fastmm_progress"] = progress
+
+
+_telemetry_loaders = itertools.count()
+
+
+def _telemetry_name() -> str:
+    """``loader<k>`` (the k-th loader this process watched from the environment), after
+    ``rank<r>-`` in a distributed job (torch.distributed's rank, else torchrun's RANK)."""
+    rank = (torch.distributed.get_rank() if torch.distributed.is_available()
+            and torch.distributed.is_initialized() else os.environ.get("RANK", "").strip())
+    name = f"loader{next(_telemetry_loaders)}"
+    return f"rank{rank}-{name}" if str(rank).isdigit() else name
 
 
 def _exported(tm: Telemetry, watched, directory: str):

@@ -58,11 +58,81 @@ DISTRIBUTIONS = {
 }
 
 
-def distribution(values) -> dict | None:
-    """{count, mean, p50, p95, p99, max} of a series, or None when it is empty."""
-    a = np.asarray(values, dtype=np.float64)
-    if a.size == 0:
-        return None
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return {"count": int(a.size), "mean": float(a.mean()), "p50": float(p50),
-            "p95": float(p95), "p99": float(p99), "max": float(a.max())}
+class Distribution:
+    """{count, mean, p50, p95, p99, max} of a stream in bounded memory, so a session can watch
+    a run of weeks: every value is kept up to ``exact_values`` of them (percentiles as
+    np.percentile gives them), then values go into log-linear buckets, SUB_BUCKETS per power
+    of two (a percentile within 0.4% of the exact one; count, mean and max stay exact)."""
+
+    EXACT_VALUES = 1 << 16
+    SUB_BUCKETS = 128
+    _MIN_EXP, _MAX_EXP = -40, 64  # values from ~1e-12 (below: the zero bucket) to ~1.8e19
+
+    def __init__(self, exact_values: int | None = None):
+        self._cap = self.EXACT_VALUES if exact_values is None else exact_values
+        self._exact: list[np.ndarray] = []
+        self._pending: list[float] = []  # scalars added one at a time, not yet in _exact
+        self._kept = 0  # values in _exact
+        self._buckets: np.ndarray | None = None
+        self.count, self.total, self.max = 0, 0.0, -np.inf
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.max = max(self.max, value)
+        self._pending.append(value)
+        if len(self._pending) >= 4096:
+            self._flush()
+
+    def extend(self, values) -> None:
+        a = np.asarray(values, dtype=np.float64).ravel()
+        if a.size:
+            self.count += a.size
+            self.total += float(a.sum())
+            self.max = max(self.max, float(a.max()))
+            self._store(a)
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._store(np.array(self._pending, dtype=np.float64))
+            self._pending = []
+
+    def _store(self, a: np.ndarray) -> None:
+        if self._buckets is None:
+            self._exact.append(a)
+            self._kept += a.size
+            if self._kept <= self._cap:
+                return
+            a, self._exact = np.concatenate(self._exact), []
+            self._buckets = np.zeros(1 + (self._MAX_EXP - self._MIN_EXP) * self.SUB_BUCKETS,
+                                     dtype=np.int64)
+        self._buckets += np.bincount(self._bucket(a), minlength=self._buckets.size)
+
+    def _bucket(self, a: np.ndarray) -> np.ndarray:
+        mantissa, exp = np.frexp(a)  # a = mantissa * 2**exp, mantissa in [0.5, 1)
+        sub = ((2 * mantissa - 1) * self.SUB_BUCKETS).astype(np.int64)
+        index = 1 + (exp.astype(np.int64) - self._MIN_EXP) * self.SUB_BUCKETS + sub
+        index = np.clip(index, 1, self._buckets.size - 1)
+        index[~(a > 2.0 ** self._MIN_EXP)] = 0  # zero, negative, tiny
+        return index
+
+    def _value(self, index: int) -> float:
+        if index == 0:
+            return 0.0
+        exp, sub = divmod(index - 1, self.SUB_BUCKETS)
+        return (1 + (sub + 0.5) / self.SUB_BUCKETS) * 2.0 ** (exp + self._MIN_EXP - 1)
+
+    def summary(self) -> dict | None:
+        self._flush()
+        if not self.count:
+            return None
+        if self._buckets is None:
+            if len(self._exact) > 1:
+                self._exact = [np.concatenate(self._exact)]
+            p50, p95, p99 = np.percentile(self._exact[0], [50, 95, 99])
+        else:  # the bucket holding each rank as np.percentile counts them, within min..max
+            ranks = np.floor(np.array([0.50, 0.95, 0.99]) * (self.count - 1))
+            found = np.searchsorted(np.cumsum(self._buckets), ranks, side="right")
+            p50, p95, p99 = (min(self._value(int(i)), self.max) for i in found)
+        return {"count": int(self.count), "mean": self.total / self.count, "p50": float(p50),
+                "p95": float(p95), "p99": float(p99), "max": float(self.max)}

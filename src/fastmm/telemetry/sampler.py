@@ -39,14 +39,15 @@ class _Nvml:
 
 
 class Sampler:
-    """Samples until stopped; ``workers()`` says which worker pids to watch right now."""
+    """Samples until stopped; ``workers()`` says which worker pids to watch right now, and
+    ``record(row)`` takes each row."""
 
 
     def __init__(self, workers, interval_s: float, pss_interval_s: float, gpu_index: int | None,
-                 series: list[dict]):
+                 record):
         self._workers = workers
         self.interval_s, self.pss_interval_s = interval_s, pss_interval_s
-        self.series = series  # rows are appended here
+        self._record = record
         self.cpu_s = 0.0  # the sampler's own CPU time
         self._main = psutil.Process()
         self._procs: dict[int, psutil.Process] = {}
@@ -130,7 +131,7 @@ class Sampler:
         row["net_recv_bytes"] = _net_recv() - self._net_base
         if self._nvml is not None:
             row["gpu_util_percent"] = self._nvml.util_percent()
-        self.series.append(row)
+        self._record(row)
         self.cpu_s += time.thread_time() - cpu0
 
 

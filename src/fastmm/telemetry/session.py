@@ -22,7 +22,7 @@ import time
 import torch
 
 from . import export
-from .metrics import DISTRIBUTIONS, METRICS, distribution
+from .metrics import DISTRIBUTIONS, METRICS, Distribution
 from .recorder import STAGES, SpanLog, TimedCollate, deactivate, rchar, wrap_dataset
 from .sampler import Sampler
 
@@ -39,9 +39,14 @@ def _skipped(dataset) -> int:
 class Telemetry:
     """One session of measurements over one loader (any number of epochs).
 
-    ``trace``: keep every span for a Chrome/Perfetto trace (export writes trace.json).
+    ``trace``: keep every span for a Chrome/Perfetto trace (export writes trace.json); memory
+    then grows with the run (~40 bytes a span). Without it a session's memory is bounded:
+    latencies and samples go into ``Distribution``s, and past MAX_SERIES_ROWS the time
+    series keeps every other row (then every 4th, ...), evenly over the run.
     ``interval_s``: how often processes and host are sampled; ``pss_interval_s``: how often
     PSS/USS are (they cost the kernel a page-table walk per process)."""
+
+    MAX_SERIES_ROWS = 20_000  # ~1.1 h at interval_s=0.2, ~20 MB with a few workers
 
     def __init__(self, *, trace: bool = False, interval_s: float = 0.2,
                  pss_interval_s: float = 5.0):
@@ -51,17 +56,22 @@ class Telemetry:
         self.loader = None
         self._restore = None
         self._sampler: Sampler | None = None  # runs while an epoch does
-        self._series: list[dict] = []
+        self._series: list[dict] = []  # the sampler's rows kept for export
+        self._row_stride = 1  # keep one row of this many
+        self._rows_seen = 0
+        self._sampled = _SampledStats()
         self._sampler_cpu_s = 0.0
         self._loop_tid = threading.get_native_id()  # the thread that iterates the loader
         self._iterator = None
         self._t0_ns = time.monotonic_ns()
-        self._spans: list = []  # drained worker/main spans (numpy blocks)
-        self._loop: dict[str, list[float]] = {k: [] for k in (
+        self._spans: list = []  # drained worker/main spans (numpy blocks), with trace only
+        self._stages = {name: Distribution() for name in STAGES}
+        self._loop = {k: Distribution() for k in (
             "queue_wait_s", "step_s", "first_batch_s", "epoch_start_s", "h2d_s")}
         self._loop_events: list[tuple[str, int, int]] = []  # (name, start ns, end ns) for trace
         self._gpu_pending: list[tuple[str, int, object, object]] = []  # name, start ns, events
-        self._gpu: list[tuple[str, int, float]] = []  # (name, host start ns, GPU seconds)
+        self._gpu: list[tuple[str, int, float]] = []  # (name, host start ns, GPU s) for trace
+        self._gpu_compute_s = 0.0
         self._h2d_bytes = 0
         self._samples = self._batches = self._failed = self._restarts = 0
         self._skipped_before = 0
@@ -105,7 +115,7 @@ class Telemetry:
         if self._sampler is None:
             gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
             self._sampler = Sampler(self._workers, self.interval_s, self.pss_interval_s, gpu,
-                                    self._series)
+                                    self._add_row)
             self._sampler.start()
 
     def _stop_sampler(self) -> None:
@@ -113,16 +123,32 @@ class Telemetry:
             self._sampler.stop()
             self._sampler_cpu_s += self._sampler.cpu_s
             self._sampler = None
+            self._sampled.end_sampler()
         self._note_loop_reads()
         self._drain()
 
     def _note_loop_reads(self, first: bool = False) -> None:
         self.log.note_reads(0, first, _thread_read_chars(self._loop_tid))
 
+    def _add_row(self, row: dict) -> None:
+        """A sampler row (its thread): into the summary's figures, and kept for export."""
+        self._sampled.add(row)
+        if self._rows_seen % self._row_stride == 0:
+            self._series.append(row)
+            if len(self._series) > self.MAX_SERIES_ROWS:
+                del self._series[1::2]
+                self._row_stride *= 2
+        self._rows_seen += 1
+
     def _drain(self) -> None:
         block = self.log.drain()
         if len(block):
-            self._spans.append(block)
+            if self.trace:
+                self._spans.append(block)
+            seconds = (block[:, 3] - block[:, 2]) / 1e9
+            for code, name in enumerate(STAGES):
+                self._stages[name].extend(seconds[block[:, 1] == code])
+        self._resolve_gpu(wait=False)
 
     def _epoch(self, loader, iterate):
         """The loop's view of one epoch: times every next() and the gaps between them."""
@@ -133,7 +159,7 @@ class Telemetry:
         t_iter = time.monotonic_ns()
         it = self._iterator = iterate()
         t_started = time.monotonic_ns()
-        self._loop["epoch_start_s"].append((t_started - t_iter) / 1e9)
+        self._loop["epoch_start_s"].add((t_started - t_iter) / 1e9)
         pids = self._workers()
         last = None
         try:
@@ -147,13 +173,13 @@ class Telemetry:
                     self._failed += 1
                     raise
                 t1 = time.monotonic_ns()
-                self._loop["queue_wait_s"].append((t1 - t0) / 1e9)
+                self._loop["queue_wait_s"].add((t1 - t0) / 1e9)
                 if self.trace:
                     self._loop_events.append(("wait", t0, t1))
                 if last is None:
-                    self._loop["first_batch_s"].append((t1 - t_iter) / 1e9)
+                    self._loop["first_batch_s"].add((t1 - t_iter) / 1e9)
                 else:
-                    self._loop["step_s"].append((t1 - last) / 1e9)
+                    self._loop["step_s"].add((t1 - last) / 1e9)
                 last = t1
                 self._batches += 1
                 self._samples += _batch_len(batch, loader)
@@ -183,18 +209,16 @@ class Telemetry:
     def summary(self) -> dict:
         """Every metric of METRICS (None where nothing measured it), with the loader's name."""
         self._drain()
-        spans = _concat(self._spans)
-        stage_s = {name: spans[spans[:, 1] == i] for i, name in enumerate(STAGES)}
+        self._resolve_gpu(wait=True)
         m: dict[str, object] = {k: None for k in METRICS}
-        for name in ("sample", "read", "decode", "augment", "collate"):
-            durations = (stage_s[name][:, 3] - stage_s[name][:, 2]) / 1e9
-            m[f"{name}_s"] = distribution(durations)
+        for name, values in self._stages.items():
+            m[f"{name}_s"] = values.summary()
         for name, values in self._loop.items():
-            m[name] = distribution(values)
+            m[name] = values.summary()
         workers = getattr(self.loader, "num_workers", 0) if self.loader is not None else 0
-        busy_s = (_total(stage_s["sample"]) + _total(stage_s["collate"])) / max(1, workers)
+        busy_s = (self._stages["sample"].total + self._stages["collate"].total) / max(1, workers)
         if not workers:
-            busy_s = sum(self._loop["queue_wait_s"])
+            busy_s = self._loop["queue_wait_s"].total
         if busy_s > 0:
             m["samples_per_s"] = self._samples / busy_s
             m["batches_per_s"] = self._batches / busy_s
@@ -203,15 +227,12 @@ class Telemetry:
         m["read_bytes"] = self.log.read_bytes()
         if self._wall_s > 0:
             m["storage_read_bytes_per_s"] = m["read_bytes"] / self._wall_s
-        self._resolve_gpu()
-        gpu_busy_s = sum(seconds for name, _, seconds in self._gpu if name == "compute")
-        m["h2d_s"] = distribution(self._loop["h2d_s"])
-        h2d_total = sum(self._loop["h2d_s"])
+        h2d_total = self._loop["h2d_s"].total
         if h2d_total > 0 and self._h2d_bytes:
             m["h2d_bytes_per_s"] = self._h2d_bytes / h2d_total
-        m.update(_sampled(self._series, self._wall_s))
-        if gpu_busy_s and self._wall_s:
-            m["gpu_idle_fraction"] = max(0.0, 1.0 - gpu_busy_s / self._wall_s)
+        m.update(self._sampled.summary(self._wall_s))
+        if self._gpu_compute_s and self._wall_s:
+            m["gpu_idle_fraction"] = max(0.0, 1.0 - self._gpu_compute_s / self._wall_s)
         m["worker_restarts"] = self._restarts
         m["samples_failed"] = self._failed
         dataset = self._restore[0] if self._restore else getattr(self.loader, "dataset", None)
@@ -234,17 +255,25 @@ class Telemetry:
         """Write summary.json, timeseries.jsonl and (with trace=True) trace.json."""
         summary = self.summary()
         spans = _concat(self._spans) if self.trace else None
-        return export.write(directory, summary, self._series, spans, self._loop_events, self._gpu,
-                            self._t0_ns)
+        return export.write(directory, summary, list(self._series), spans, self._loop_events,
+                            self._gpu, self._t0_ns)
 
-    def _resolve_gpu(self) -> None:
-        """CUDA event pairs -> seconds (waits for them), once each."""
-        for name, start, ev0, ev1 in self._gpu_pending:
+    def _resolve_gpu(self, wait: bool) -> None:
+        """CUDA event pairs -> seconds, once each: those done by now (``wait``: all of them)."""
+        pending = []
+        for mark in self._gpu_pending:
+            name, start, ev0, ev1 = mark
+            if not (wait or ev1.query()):
+                pending.append(mark)
+                continue
             seconds = _event_s(ev0, ev1)
-            self._gpu.append((name, start, seconds))
+            if self.trace:
+                self._gpu.append((name, start, seconds))
             if name == "h2d":
-                self._loop["h2d_s"].append(seconds)
-        self._gpu_pending = []
+                self._loop["h2d_s"].add(seconds)
+            else:
+                self._gpu_compute_s += seconds
+        self._gpu_pending = pending
 
     def close(self) -> None:
         self.unwatch()
@@ -295,7 +324,7 @@ class _Mark:
             self.events[1].record()
             tm._gpu_pending.append((self.name, self.start, *self.events))
         elif self.name == "h2d":
-            tm._loop["h2d_s"].append((end - self.start) / 1e9)
+            tm._loop["h2d_s"].add((end - self.start) / 1e9)
         if tm.trace:
             tm._loop_events.append((self.name, self.start, end))
         return False
@@ -320,10 +349,6 @@ def _concat(blocks):
     import numpy as np
 
     return np.concatenate(blocks) if blocks else np.empty((0, 5), dtype=np.int64)
-
-
-def _total(spans) -> float:
-    return float((spans[:, 3] - spans[:, 2]).sum()) / 1e9 if len(spans) else 0.0
 
 
 def _batch_len(batch, loader) -> int:
@@ -354,46 +379,61 @@ def _nbytes(batch) -> int:
     return total
 
 
-def _sampled(series: list[dict], wall_s: float) -> dict:
-    """Memory, CPU, host and GPU figures from the sampler's rows (row[...][0] is the main
-    process, the rest its workers)."""
-    main_pss, worker_rss, worker_pss, worker_uss, total_pss = [], [], [], [], []
-    main_cpu, worker_cpu, cpu, shm, gpu = [], [], [], [], []
-    host_peak = None
-    for row in series:
-        rss = row["rss_bytes"]
-        worker_rss += [v for v in rss[1:] if v is not None]
-        if "pss_bytes" in row:
-            pss, uss = row["pss_bytes"], row["uss_bytes"]
-            if pss[0] is not None:
-                main_pss.append(pss[0])
-            worker_pss += [v for v in pss[1:] if v is not None]
-            worker_uss += [v for v in uss[1:] if v is not None]
-            if all(v is not None for v in pss):
-                total_pss.append(sum(pss))
-        c = row["cpu_percent"]
-        if c[0] is not None:
-            main_cpu.append(c[0])
-        worker_cpu += [v for v in c[1:] if v is not None]
-        if all(v is not None for v in c):
-            cpu.append(sum(c))
-        shm.append(row["shm_bytes"])
-        host_peak = max(host_peak or 0, row["host_used_bytes"])
-        if row.get("gpu_util_percent") is not None:
-            gpu.append(row["gpu_util_percent"])
-    out = {
-        "main_pss_bytes": distribution(main_pss), "worker_rss_bytes": distribution(worker_rss),
-        "worker_pss_bytes": distribution(worker_pss), "worker_uss_bytes": distribution(worker_uss),
-        "total_pss_bytes": distribution(total_pss), "main_cpu_percent": distribution(main_cpu),
-        "worker_cpu_percent": distribution(worker_cpu), "cpu_percent": distribution(cpu),
-        "shm_bytes": distribution(shm), "host_used_peak_bytes": host_peak,
-        "gpu_util_percent": distribution(gpu),
-    }
-    if series and wall_s > 0:
-        out["net_bytes_per_s"] = series[-1]["net_recv_bytes"] / wall_s
-    if gpu:
-        out["gpu_idle_fraction"] = sum(1 for g in gpu if g == 0) / len(gpu)
-    return out
+class _SampledStats:
+    """Memory, CPU, host and GPU figures, taken in from each sampler row as it comes
+    (row[...][0] is the main process, the rest its workers)."""
+
+    _NAMES = ("main_pss_bytes", "worker_rss_bytes", "worker_pss_bytes", "worker_uss_bytes",
+              "total_pss_bytes", "main_cpu_percent", "worker_cpu_percent", "cpu_percent",
+              "shm_bytes", "gpu_util_percent")
+
+    def __init__(self):
+        self._lock = threading.Lock()  # rows come from the sampler thread
+        self._values = {name: Distribution() for name in self._NAMES}
+        self._host_peak = None
+        self._gpu_idle = 0
+        self._net_done = self._net_now = 0  # bytes received in ended samplers, and this one
+
+    def add(self, row: dict) -> None:
+        v = self._values
+        with self._lock:
+            v["worker_rss_bytes"].extend([x for x in row["rss_bytes"][1:] if x is not None])
+            if "pss_bytes" in row:
+                pss, uss = row["pss_bytes"], row["uss_bytes"]
+                if pss[0] is not None:
+                    v["main_pss_bytes"].add(pss[0])
+                v["worker_pss_bytes"].extend([x for x in pss[1:] if x is not None])
+                v["worker_uss_bytes"].extend([x for x in uss[1:] if x is not None])
+                if all(x is not None for x in pss):
+                    v["total_pss_bytes"].add(sum(pss))
+            c = row["cpu_percent"]
+            if c[0] is not None:
+                v["main_cpu_percent"].add(c[0])
+            v["worker_cpu_percent"].extend([x for x in c[1:] if x is not None])
+            if all(x is not None for x in c):
+                v["cpu_percent"].add(sum(c))
+            v["shm_bytes"].add(row["shm_bytes"])
+            self._host_peak = max(self._host_peak or 0, row["host_used_bytes"])
+            if row.get("gpu_util_percent") is not None:
+                v["gpu_util_percent"].add(row["gpu_util_percent"])
+                self._gpu_idle += row["gpu_util_percent"] == 0
+            self._net_now = row["net_recv_bytes"]  # counted from this sampler's start
+
+    def end_sampler(self) -> None:
+        with self._lock:
+            self._net_done += self._net_now
+            self._net_now = 0
+
+    def summary(self, wall_s: float) -> dict:
+        with self._lock:
+            out = {name: values.summary() for name, values in self._values.items()}
+            out["host_used_peak_bytes"] = self._host_peak
+            if self._host_peak is not None and wall_s > 0:
+                out["net_bytes_per_s"] = (self._net_done + self._net_now) / wall_s
+            gpu = self._values["gpu_util_percent"].count
+            if gpu:
+                out["gpu_idle_fraction"] = self._gpu_idle / gpu
+        return out
 
 
 assert set(DISTRIBUTIONS) <= set(METRICS)
