@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -280,6 +281,50 @@ def test_a_long_run_keeps_memory_bounded(monkeypatch):
     kept = [rows.index(r) for r in tm._series]
     assert kept == list(range(0, len(rows), tm._row_stride))[: len(kept)]
     assert len(rows) - kept[-1] <= tm._row_stride  # even spacing up to the end
+
+
+def test_environment_exports_also_when_the_loop_stops_early(monkeypatch, tmp_path):
+    """A loop that breaks out (a step budget), fails, or never finishes an epoch still gets
+    its exports: on the way out, and the summary and series every _EXPORT_EVERY_S meanwhile
+    (not the trace). A write that fails is a warning, not the end of the training."""
+    monkeypatch.setenv("FASTMM_TELEMETRY", "trace")
+    monkeypatch.setenv("FASTMM_TELEMETRY_DIR", str(tmp_path))
+    loader = fastmm.DataLoader(Staged(), batch_size=4, num_workers=2)
+    monkeypatch.setattr(fastmm.loader, "_EXPORT_EVERY_S", 0.0)
+    for step, _ in enumerate(loader):
+        (out,) = tmp_path.iterdir()
+        summary = json.load(open(out / "summary.json"))  # written after each batch here
+        assert summary["batches"] == step + 1 and summary["wall_s"] > 0
+        assert not (out / "trace.json").exists()
+        if step == 2:
+            break  # the step budget is spent mid-epoch
+    assert json.load(open(out / "summary.json"))["samples"] == 12
+    assert (out / "trace.json").exists()
+
+    class Failing(Dataset):
+        def __len__(self):
+            return 24
+
+        def __getitem__(self, i):
+            if i == 10:
+                raise ValueError("sample 10")
+            return i
+
+    monkeypatch.setattr(fastmm.loader, "_EXPORT_EVERY_S", 300.0)
+    failing = fastmm.DataLoader(Failing(), batch_size=4, num_workers=0)
+    with pytest.raises(ValueError, match="sample 10"):
+        list(failing)
+    (written,) = [p for p in tmp_path.iterdir() if p != out]
+    summary = json.load(open(written / "summary.json"))
+    assert summary["batches"] == 2 and summary["metrics"]["samples_failed"] == 1
+
+    shutil.rmtree(written)
+    with pytest.warns(UserWarning, match="could not write"):
+        for step, _ in enumerate(failing):
+            if step == 0:
+                written.write_text("")  # the export directory became a file mid-epoch
+            if step == 1:
+                break
 
 
 def test_unwatch_gives_the_loader_back(loader_cls):

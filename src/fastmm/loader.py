@@ -169,10 +169,36 @@ def _telemetry_name() -> str:
     return f"rank{rank}-{name}" if str(rank).isdigit() else name
 
 
+_EXPORT_EVERY_S = 300.0
+
+
 def _exported(tm: Telemetry, watched, directory: str):
-    yield from watched
-    paths = tm.export(directory)
-    print(f"fastmm telemetry: {', '.join(paths.values())}", file=sys.stderr)
+    """The epoch's batches; the exports are written when it ends, however it ends (a loop that
+    breaks out, an error), and the summary and time series every _EXPORT_EVERY_S meanwhile
+    (a pretraining loop may stop by step count and never finish an epoch). A failed write is
+    a warning: telemetry never stops the training."""
+    epoch = iter(watched)
+    due = time.monotonic() + _EXPORT_EVERY_S
+    try:
+        for batch in epoch:
+            if time.monotonic() >= due:
+                _export(tm, directory, trace=False)
+                due = time.monotonic() + _EXPORT_EVERY_S
+            yield batch
+    finally:
+        epoch.close()  # the epoch's own bookkeeping first (sampler stopped, wall time)
+        if not sys.is_finalizing():
+            paths = _export(tm, directory, trace=True)
+            if paths:
+                print(f"fastmm telemetry: {', '.join(paths.values())}", file=sys.stderr)
+
+
+def _export(tm: Telemetry, directory: str, trace: bool) -> dict[str, str] | None:
+    try:
+        return tm.export(directory, trace=trace)
+    except OSError as e:
+        warnings.warn(f"fastmm telemetry: could not write to {directory}: {e}", stacklevel=3)
+        return None
 
 
 def _check_cuda(status, what: str) -> None:

@@ -75,7 +75,8 @@ class Telemetry:
         self._h2d_bytes = 0
         self._samples = self._batches = self._failed = self._restarts = 0
         self._skipped_before = 0
-        self._wall_s = 0.0
+        self._wall_s = 0.0  # of the epochs that ended
+        self._epoch_since_ns = None  # when the running epoch began
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -156,7 +157,7 @@ class Telemetry:
             self._loop_tid = threading.get_native_id()
             self._note_loop_reads(first=True)
         self._start_sampler()
-        t_iter = time.monotonic_ns()
+        t_iter = self._epoch_since_ns = time.monotonic_ns()
         it = self._iterator = iterate()
         t_started = time.monotonic_ns()
         self._loop["epoch_start_s"].add((t_started - t_iter) / 1e9)
@@ -191,6 +192,7 @@ class Telemetry:
                 yield batch
         finally:
             self._wall_s += (time.monotonic_ns() - t_iter) / 1e9
+            self._epoch_since_ns = None
             self._stop_sampler()
 
     # -- the loop's own marks ----------------------------------------------------------------
@@ -215,6 +217,9 @@ class Telemetry:
             m[f"{name}_s"] = values.summary()
         for name, values in self._loop.items():
             m[name] = values.summary()
+        wall_s = self._wall_s  # a summary taken while an epoch runs counts it so far
+        if self._epoch_since_ns is not None:
+            wall_s += (time.monotonic_ns() - self._epoch_since_ns) / 1e9
         workers = getattr(self.loader, "num_workers", 0) if self.loader is not None else 0
         busy_s = (self._stages["sample"].total + self._stages["collate"].total) / max(1, workers)
         if not workers:
@@ -222,17 +227,17 @@ class Telemetry:
         if busy_s > 0:
             m["samples_per_s"] = self._samples / busy_s
             m["batches_per_s"] = self._batches / busy_s
-        if self._wall_s > 0:
-            m["end_to_end_samples_per_s"] = self._samples / self._wall_s
+        if wall_s > 0:
+            m["end_to_end_samples_per_s"] = self._samples / wall_s
         m["read_bytes"] = self.log.read_bytes()
-        if self._wall_s > 0:
-            m["storage_read_bytes_per_s"] = m["read_bytes"] / self._wall_s
+        if wall_s > 0:
+            m["storage_read_bytes_per_s"] = m["read_bytes"] / wall_s
         h2d_total = self._loop["h2d_s"].total
         if h2d_total > 0 and self._h2d_bytes:
             m["h2d_bytes_per_s"] = self._h2d_bytes / h2d_total
-        m.update(self._sampled.summary(self._wall_s))
-        if self._gpu_compute_s and self._wall_s:
-            m["gpu_idle_fraction"] = max(0.0, 1.0 - self._gpu_compute_s / self._wall_s)
+        m.update(self._sampled.summary(wall_s))
+        if self._gpu_compute_s and wall_s:
+            m["gpu_idle_fraction"] = max(0.0, 1.0 - self._gpu_compute_s / wall_s)
         m["worker_restarts"] = self._restarts
         m["samples_failed"] = self._failed
         dataset = self._restore[0] if self._restore else getattr(self.loader, "dataset", None)
@@ -243,7 +248,7 @@ class Telemetry:
             "loader": f"{loader.__module__}.{loader.__qualname__}" if loader else None,
             "num_workers": workers,
             "batch_size": getattr(self.loader, "batch_size", None),
-            "samples": self._samples, "batches": self._batches, "wall_s": self._wall_s,
+            "samples": self._samples, "batches": self._batches, "wall_s": wall_s,
             "sampler_cpu_s": self._sampler_cpu_s,
             "metrics": m,
         }
@@ -251,10 +256,11 @@ class Telemetry:
     def table(self) -> str:
         return export.table(self.summary())
 
-    def export(self, directory: str) -> dict[str, str]:
-        """Write summary.json, timeseries.jsonl and (with trace=True) trace.json."""
+    def export(self, directory: str, *, trace: bool = True) -> dict[str, str]:
+        """Write summary.json, timeseries.jsonl and, if the session keeps spans and ``trace``
+        is not False, trace.json."""
         summary = self.summary()
-        spans = _concat(self._spans) if self.trace else None
+        spans = _concat(self._spans) if self.trace and trace else None
         return export.write(directory, summary, list(self._series), spans, self._loop_events,
                             self._gpu, self._t0_ns)
 
