@@ -622,7 +622,8 @@ def collate_numpy(batch):
 
 def collate_numpy_kinds(batch):
     """NumPy arrays of every kind a custom collate_fn returns: big ones travel in slabs unless
-    pickling would give them back changed (read-only, strided, non-native byte order)."""
+    pickling would give them back changed (strided, non-native byte order); read-only ones
+    arrive writable (pickle protocol < 5), as torch's do."""
     x = torch.stack(batch).numpy().astype(np.uint8).repeat(200, axis=1)  # > 16 KiB
     return {"u8": x, "fortran": np.asfortranarray(x.astype(np.float32)),
             "read_only": np.frombuffer(x.tobytes(), np.uint8), "strided": x[:, ::2],

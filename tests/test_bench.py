@@ -317,18 +317,30 @@ def test_caption_batches_are_counted_and_read_whole():
     assert alone == list(captions) and workloads.batch_len(alone) == 5
 
 
-def test_numpy_transport_case_runs_side_by_side(tmp_path):
-    """Batches a collate_fn keeps in NumPy: both loaders deliver the same bytes."""
+def test_samples_kept_apart_are_counted_as_samples():
+    """A list of read-only byte arrays (keep_list): 3 samples, not the first one's length."""
+    data = workloads.ClipBankDataset((2, 3, 4), bank_size=2, mode="bytes")
+    batch = workloads.keep_list([data[i] for i in range(3)])
+    assert all(not a.flags.writeable and a.shape == (24,) for a in batch)
+    assert workloads.batch_len(batch) == 3 and workloads.batch_nbytes(batch) == 72
+    assert workloads.first_batch_digest(batch) == zlib.crc32(b"".join(a.tobytes() for a in batch))
+    assert workloads.batch_len(workloads.stack_numpy(batch)) == 3
+
+
+@pytest.mark.parametrize("mode, collate", [("numpy", "stack_numpy"), ("bytes", "keep_list")])
+def test_numpy_transport_case_runs_side_by_side(tmp_path, mode, collate):
+    """Batches a collate_fn keeps in NumPy (stacked, or read-only samples in a list): both
+    loaders deliver the same bytes."""
     from fastmm.bench import cli
 
     out = tmp_path / "out"
-    assert cli.main(["--quick", "--workloads", "transport", "--clip-modes", "numpy", "--reps", "1",
+    assert cli.main(["--quick", "--workloads", "transport", "--clip-modes", mode, "--reps", "1",
                      "--mem-reps", "0", "--min-seconds", "0.2", "--warmup-seconds", "0.05",
                      "--clip-shape", ",".join(map(str, CLIP)), "--out", str(out)]) == 0
     (case,) = json.loads((out / "results.json").read_text())["cases"]
-    assert case["name"] == f"transport-numpy-b{BATCH}" and case["summary"]["first_batch_identical"]
+    assert case["name"] == f"transport-{mode}-b{BATCH}" and case["summary"]["first_batch_identical"]
     assert {"torch", "fastmm", "single-process", "single-reuse", "consume-alone"} <= set(case["arms"])
-    assert "collate_fn=stack_numpy" in case["arms"]["fastmm"]["description"]
+    assert f"collate_fn={collate}" in case["arms"]["fastmm"]["description"]
 
 
 def test_captions_workload_runs_side_by_side(tmp_path):

@@ -121,6 +121,34 @@ def test_numpy_batches_travel_in_slabs_and_give_them_back(path, monkeypatch):
         assert _wait_until(lambda: used_bytes(shm) == 0)
 
 
+def _read_only_stack(batch):
+    return np.frombuffer(np.stack([image.numpy() for image, _ in batch]).tobytes(), np.uint8)
+
+
+def _pickle_protocol_5(worker_id):
+    import pickle
+
+    pickle.DEFAULT_PROTOCOL = 5  # Python 3.14's default
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_read_only_numpy_batches_travel_in_slabs_as_pickle_gives_them(path, protocol):
+    """np.frombuffer's arrays are read-only: they travel in the slab too and arrive writable
+    or read-only as pickle with the worker's protocol would give them back."""
+    loader = fastmm.DataLoader(Frames(32), batch_size=8, num_workers=2,
+                               collate_fn=_read_only_stack,
+                               worker_init_fn=_pickle_protocol_5 if protocol == 5 else None)
+    it = iter(loader)
+    for k, flat in enumerate(it):
+        assert flat.flags.writeable == (protocol < 5) and flat.size == 8 * 3 * 128 * 128
+        images = flat.reshape(8, 3, 128, 128)
+        assert [int(images[j].min()) for j in range(8)] == [(8 * k + j) % 251 for j in range(8)]
+        assert [int(images[j].max()) for j in range(8)] == [(8 * k + j) % 251 for j in range(8)]
+        assert any(_address(mm) <= flat.ctypes.data < _address(mm) + len(mm)
+                   for mm in it._ring._maps.values())
+    assert k == 3
+
+
 def test_kept_batches_grow_the_ring_and_stay_intact(path, monkeypatch):
     with private_tmpfs("512m") as shm:
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -104,6 +105,7 @@ class _SlabPickler(pickle.Pickler):
 
     def __init__(self, file, protocol):
         super().__init__(file, protocol)
+        self._protocol = protocol
         self._storage_index: dict[tuple[int, int], int] = {}
         self.storages: list[list] = []  # [storage, lo, hi] per storage
         self.tensors: list[tuple] = []  # (storage index, dtype, shape, stride, byte offset)
@@ -113,7 +115,10 @@ class _SlabPickler(pickle.Pickler):
             tensor = _slab_worthy_array(obj)
             if tensor is None:
                 return NotImplemented
-            return _slab_array, self._add(tensor)
+            # pickle gives a read-only array back writable below protocol 5 (torch's default
+            # up to Python 3.13), read-only from 5 on
+            read_only = not obj.flags.writeable and self._protocol >= 5
+            return _slab_array, (*self._add(tensor), read_only)
         if not _plain_cpu_tensor(obj):
             reduce = ForkingPickler._extra_reducers.get(type(obj))  # torch's, for the rest
             return NotImplemented if reduce is None else reduce(obj)
@@ -160,12 +165,16 @@ class _SlabPickler(pickle.Pickler):
 def _slab_worthy_array(array: np.ndarray) -> torch.Tensor | None:
     """A tensor sharing a NumPy array's memory, when the array is worth a slab (a custom
     ``collate_fn``'s batch: pickled, torch's way, it is copied four times) and comes back from
-    one just as pickle would give it back: contiguous, writable, of a dtype torch knows."""
-    if array.nbytes <= INLINE_MAX_BYTES or not array.flags.writeable or not (
+    one just as pickle would give it back: contiguous, of a dtype torch knows."""
+    if array.nbytes <= INLINE_MAX_BYTES or not (
             array.flags.c_contiguous or array.flags.f_contiguous):
         return None
     try:
-        return torch.from_numpy(array)
+        if array.flags.writeable:
+            return torch.from_numpy(array)
+        with warnings.catch_warnings():  # (np.frombuffer's arrays): only read, into the slab
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(array)
     except (TypeError, ValueError):  # object or structured dtypes, non-native byte order
         return None
 
@@ -175,7 +184,7 @@ def _slab_tensor(index: int):
     raise pickle.UnpicklingError("a packed batch is read with collate.unpack")
 
 
-def _slab_array(index: int):
+def _slab_array(index: int, read_only: bool):
     """Stands for a NumPy array in a packed batch, as _slab_tensor does for a tensor."""
     raise pickle.UnpicklingError("a packed batch is read with collate.unpack")
 
@@ -196,7 +205,7 @@ class _SlabUnpickler(pickle.Unpickler):
         if module == __name__ and name == "_slab_tensor":
             return self._tensor
         if module == __name__ and name == "_slab_array":
-            return lambda index: self._tensor(index).numpy()  # it keeps the tensor alive
+            return self._array
         return super().find_class(module, name)
 
     def _storage(self, slot: int):
@@ -212,6 +221,12 @@ class _SlabUnpickler(pickle.Unpickler):
                 )
             storage = self._storages[slot] = base.untyped_storage()
         return storage
+
+    def _array(self, index: int, read_only: bool) -> np.ndarray:
+        array = self._tensor(index).numpy()  # it keeps the tensor alive
+        if read_only:
+            array.flags.writeable = False
+        return array
 
     def _tensor(self, index: int) -> torch.Tensor:
         slot, dtype, shape, stride, lo = self._tensor_specs[index]

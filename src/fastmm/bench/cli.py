@@ -31,6 +31,7 @@ from .workloads import (
     CaptionDataset,
     ClipBankDataset,
     JpegFolderDataset,
+    keep_list,
     stack_numpy,
 )
 
@@ -131,7 +132,7 @@ def transport_case(args, clip_mode: str) -> Case:
     dataset = ClipBankDataset(shape, bank_size=args.clip_bank, mode=clip_mode, seed=args.seed)
     b = args.transport_batch_size
     consume = CONSUMERS[args.consume][0]
-    custom_collate = stack_numpy if clip_mode == "numpy" else None
+    custom_collate = {"numpy": stack_numpy, "bytes": keep_list}.get(clip_mode)
     collate_fn = custom_collate or torch.utils.data.default_collate
     arms = _loader_arms(dataset, b, args, custom_collate) + [
         Arm(
@@ -167,7 +168,9 @@ def transport_case(args, clip_mode: str) -> Case:
             f"{shape_text} uint8 clips from a bank of {args.clip_bank} (getitem returns a "
             + {"clone": "fresh clone", "view": "view of the bank, no copy",
                "numpy": "view of the bank as a NumPy array, and collate_fn=stack_numpy keeps "
-                        "the batch one"}[clip_mode]
+                        "the batch one",
+               "bytes": "its bytes as a read-only flat NumPy array (np.frombuffer), and "
+                        "collate_fn=keep_list keeps the samples apart"}[clip_mode]
             + f"); loop: {args.consume} over every byte of each batch"
         ),
         arms=arms,
@@ -540,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bank's tensor: the batch copy is the only copy, so transport dominates) "
                         "and/or 'clone' (a fresh copy per sample, as a decoder would hand out) "
                         "and/or 'numpy' (the view as a NumPy array, batched by a collate_fn "
-                        "that keeps NumPy) "
+                        "that keeps NumPy) and/or 'bytes' (the clip's bytes as a read-only "
+                        "array, np.frombuffer's, in a list per batch: raw bytes for a GPU decoder) "
                         f"(default {FULL['clip_modes']})"),
     parser.add_argument("--decode-batch-sizes",
                         help=f"comma-separated (default {FULL['decode_batch_sizes']})")
@@ -592,8 +596,8 @@ def parse_args(argv=None):
     if not shape or min(shape) < 1:
         parser.error(f"--clip-shape must be positive integers separated by commas, got {args.clip_shape!r}")
     args.clip_modes = [m.strip() for m in str(args.clip_modes).split(",") if m.strip()]
-    if not args.clip_modes or set(args.clip_modes) - {"view", "clone", "numpy"}:
-        parser.error(f"--clip-modes: choose from view,clone,numpy; got {args.clip_modes}")
+    if not args.clip_modes or set(args.clip_modes) - {"view", "clone", "numpy", "bytes"}:
+        parser.error(f"--clip-modes: choose from view,clone,numpy,bytes; got {args.clip_modes}")
     args.cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return args
 

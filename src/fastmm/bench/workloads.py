@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-ClipMode = Literal["clone", "view", "numpy"]
+ClipMode = Literal["clone", "view", "numpy", "bytes"]
 
 VIRTUAL_LENGTH = 1 << 40  # "endless": the harness stops on time, never by running out
 
@@ -25,22 +25,27 @@ class ClipBankDataset(Dataset):
     ``mode="clone"`` (the default) returns a fresh copy, the way a real decoder hands out new
     memory for every sample; ``mode="view"`` returns the bank's own tensor (no per-sample copy,
     so collation is the only copy in the worker); ``mode="numpy"`` returns it as a NumPy array,
-    for a ``collate_fn`` that keeps batches in NumPy (``stack_numpy``).
+    for a ``collate_fn`` that keeps batches in NumPy (``stack_numpy``); ``mode="bytes"`` returns
+    its bytes as the read-only flat array ``np.frombuffer`` makes (raw file bytes for a GPU
+    decoder), for a ``collate_fn`` that keeps the samples apart (``keep_list``).
     """
 
     def __init__(self, shape: tuple[int, ...], bank_size: int = 8, mode: ClipMode = "clone",
                  length: int = VIRTUAL_LENGTH, seed: int = 0):
-        if mode not in ("clone", "view", "numpy"):
-            raise ValueError(f"mode must be 'clone', 'view' or 'numpy', got {mode!r}")
+        if mode not in ("clone", "view", "numpy", "bytes"):
+            raise ValueError(f"mode must be 'clone', 'view', 'numpy' or 'bytes', got {mode!r}")
         generator = torch.Generator().manual_seed(seed)
         self.bank = torch.randint(0, 256, (bank_size, *shape), dtype=torch.uint8, generator=generator)
         self.mode = mode
         self.length = length
+        self._blobs = [clip.numpy().tobytes() for clip in self.bank] if mode == "bytes" else None
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> torch.Tensor | np.ndarray:
+        if self.mode == "bytes":
+            return np.frombuffer(self._blobs[index % len(self._blobs)], dtype=np.uint8)
         clip = self.bank[index % len(self.bank)]
         if self.mode == "numpy":
             return clip.numpy()
@@ -54,6 +59,12 @@ class ClipBankDataset(Dataset):
 def stack_numpy(batch: list[np.ndarray]) -> np.ndarray:
     """A custom ``collate_fn`` that keeps the batch a NumPy array (as JAX-bound pipelines do)."""
     return np.stack(batch)
+
+
+def keep_list(batch: list) -> list:
+    """A custom ``collate_fn`` that keeps the samples apart (raw bytes for a GPU decoder,
+    samples of different sizes)."""
+    return list(batch)
 
 
 class CaptionDataset(Dataset):
@@ -176,10 +187,11 @@ def batch_nbytes(batch) -> int:
 
 
 def batch_len(batch) -> int:
-    """Samples in a batch: the length of its first tensor or list of strings."""
+    """Samples in a batch: the length of its first tensor, or of its first list of strings
+    or of NumPy arrays (a collate_fn that keeps the samples apart, as ``keep_list``)."""
     while isinstance(batch, (list, tuple, dict)) and batch:
         first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-        if isinstance(first, str):
+        if isinstance(first, str) or (type(batch) is list and isinstance(first, np.ndarray)):
             break
         batch = first
     return len(batch)
