@@ -296,6 +296,17 @@ def _jpegs() -> dict[str, bytes]:
     }
 
 
+def test_torchvision_without_its_image_decoders_is_refused_not_counted_corrupt(monkeypatch):
+    """torchvision deprecated its decoders in 0.29: a release without them must stop the
+    backend at once (ImportError naming the way out), not turn every sample into a "corrupt"
+    DecodeError that on_error would skip."""
+    import torchvision.io
+
+    monkeypatch.delattr(torchvision.io, "decode_image")
+    with pytest.raises(ImportError, match="torchvision.io.decode_image.*'torchcodec' decoder"):
+        get_decoder("torchvision")
+
+
 @pytest.mark.parametrize("name", list(_jpegs()))
 def test_jpeg_size_reads_the_frame_header_as_pillow_does(name):
     from fastmm.decode.base import jpeg_size

@@ -70,6 +70,18 @@ class Decoder(LibraryDecoder):
     label = "torchvision"
 
     def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
+        # torchvision deprecated its image decoders in 0.29 for torchcodec's: once a release
+        # drops them, every decode would fail and be counted as a corrupt sample instead
+        missing = [name for name in ("decode_image", "decode_jpeg", "ImageReadMode")
+                   if not hasattr(tvio, name)]
+        if missing:
+            import torchvision
+
+            raise ImportError(
+                f"decoder 'torchvision': torchvision {torchvision.__version__} has no "
+                f"torchvision.io.{', '.join(missing)} (its image decoders, deprecated since "
+                "0.29); use the 'torchcodec' decoder, or torchvision<=0.29"
+            )
         super().__init__(device=device, limits=limits)
         self._pil = PilDecoder(limits=self.limits)  # headers, and DCT-scaled JPEG decode
 
