@@ -252,3 +252,35 @@ def test_wrong_extension_and_bomb_through_the_policy(tmp_path):
         (item,) = ds.__getitems__([0, 1])
         assert item["image"].shape == (3, 10, 20) and int(item["image"][0, 0, 0]) == 200
         assert ds.skipped == {"too_large": 1}
+
+
+def _changed_api(*args, **kwargs):
+    raise TypeError("decode() got an unexpected keyword argument 'mode'")
+
+
+@pytest.mark.parametrize("decoder, modality", [("torchvision", "image"), ("torchcodec", "image"),
+                                               ("torchcodec", "video"), ("dali", "image")])
+def test_a_library_whose_api_changed_stops_the_loop_instead_of_skipping_everything(
+        corpus, monkeypatch, decoder, modality):
+    """Our pins are loose: a decoder library release whose API no longer fits our call raises
+    TypeError (or AttributeError) for every sample. That is not a bad sample: counted "corrupt",
+    on_error="skip" would skip the whole corpus. It must stop the loop with the library's error
+    (a DALI pipeline that does not build: DecoderFault), nothing counted."""
+    if decoder == "dali":
+        dali = pytest.importorskip("fastmm.decode.dali")
+        monkeypatch.setattr(dali.fn.decoders, "image", _changed_api)
+        monkeypatch.setattr(dali.fn.decoders, "image_slice", _changed_api)
+    else:
+        module = __import__(f"fastmm.decode.{decoder}", fromlist=["_"])
+        library = module.tvio if decoder == "torchvision" else module.tcd
+        names = (["VideoDecoder"] if modality == "video" else
+                 ["decode_image", "decode_jpeg"] if decoder == "torchvision" else ["decode_image"])
+        for name in names:
+            monkeypatch.setattr(library, name, _changed_api)
+    clip = ClipSpec(num_frames=2) if modality == "video" else None
+    for crop in ("center", None):
+        ds = MultimodalDataset(_roots(corpus)["posix"], decoder=decoder, modality=modality,
+                               clip=clip, size=32 if crop else None, crop=crop, on_error="skip")
+        with pytest.raises((TypeError, fastmm.decode.DecoderFault), match="unexpected keyword"):
+            next(iter(fastmm.DataLoader(ds, batch_size=2, collate_fn=list)))
+        assert ds.skipped == {}

@@ -12,6 +12,7 @@ from .base import (
     DecodeError,
     DecodeLimitError,
     DecodeLimits,
+    DecoderFault,
     get_decoder,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "DecodeError",
     "DecodeLimitError",
     "DecodeLimits",
+    "DecoderFault",
     "get_decoder",
 ]

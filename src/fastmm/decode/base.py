@@ -40,6 +40,18 @@ class DecodeError(SampleError):
         super().__init__(reason, key, "", message)  # key None: a worker's text (SampleError)
 
 
+class DecoderFault(RuntimeError):
+    """The decoder itself cannot work (a DALI pipeline that does not build on this device): an
+    error for every sample alike, so never counted as a bad sample."""
+
+
+# What a library raises when our call no longer fits it (an API that changed between releases)
+# rather than when the bytes are bad: these propagate, where counting them as corrupt samples
+# would skip every sample under on_error="skip".
+NOT_SAMPLE_ERRORS = (DecoderFault, AttributeError, TypeError, NameError, ImportError,
+                     NotImplementedError)
+
+
 class DecodeLimitError(DecodeError):
     """The input would exceed a DecodeLimits cap; raised before its pixels are allocated."""
 
@@ -338,9 +350,11 @@ class LibraryDecoder:
 
     def _decoded(self, data: bytes, key: str, decode=None):
         """What ``decode(data)`` gives (by default the library's CHW tensor,
-        ``_decode_chw``); any error of the library is a DecodeError "corrupt"."""
+        ``_decode_chw``); an error of the library about the bytes is a DecodeError "corrupt"."""
         try:
             return (decode or self._decode_chw)(data)
+        except NOT_SAMPLE_ERRORS:
+            raise
         except Exception as e:
             raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
 

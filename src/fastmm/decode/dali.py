@@ -18,9 +18,11 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from .base import (
+    NOT_SAMPLE_ERRORS,
     PNG_SIGNATURE,
     CropPlan,
     DecodeError,
+    DecoderFault,
     DecodeLimits,
     LibraryDecoder,
     crop_resize,
@@ -77,7 +79,11 @@ class Decoder(LibraryDecoder):
         from the crop pipeline, the shape DALI read, as a numpy array); RuntimeError if DALI
         fails."""
         if kind not in self._pipes:
-            self._pipes[kind] = self._build(kind)
+            try:
+                self._pipes[kind] = self._build(kind)
+            except Exception as e:
+                raise DecoderFault(f"DALI could not build its {kind} pipeline on "
+                                   f"{self.device}: {str(e)[:300]}") from e
         pipe = self._pipes[kind]
         try:
             pipe.feed_input("enc", [np.frombuffer(data, np.uint8)])
@@ -85,6 +91,8 @@ class Decoder(LibraryDecoder):
                 pipe.feed_input("anchor", [window[0]])
                 pipe.feed_input("shape", [window[1]])
             outs = pipe.run()
+        except NOT_SAMPLE_ERRORS:
+            raise
         except Exception as e:
             del self._pipes[kind]  # a failed run may leave it unusable; rebuild next time
             raise RuntimeError(str(e)[:300]) from None  # DALI's messages run to pages

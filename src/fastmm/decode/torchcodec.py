@@ -17,7 +17,7 @@ from torchcodec import decoders as tcd
 from torchcodec.transforms import DecoderTransform
 
 from . import mp4
-from .base import ClipSpec, CropPlan, DecodeError, LibraryDecoder, crop_resize
+from .base import NOT_SAMPLE_ERRORS, ClipSpec, CropPlan, DecodeError, LibraryDecoder, crop_resize
 
 
 class Decoder(LibraryDecoder):
@@ -86,6 +86,8 @@ class Decoder(LibraryDecoder):
             dec = tcd.VideoDecoder(data, device=self.device, seek_mode="exact",
                                    transforms=transforms or None)
             meta = dec.metadata
+        except NOT_SAMPLE_ERRORS:
+            raise
         except Exception as e:
             raise DecodeError(_open_failure(data), key, f"no readable video stream: {e}") from None
         total = meta.num_frames or 0
@@ -96,6 +98,8 @@ class Decoder(LibraryDecoder):
             idx = spec.frame_indices(total, meta.average_fps, key=key, generator=generator)
         try:
             frames = dec.get_frames_at(indices=idx).data
+        except NOT_SAMPLE_ERRORS:
+            raise
         except Exception as e:
             raise DecodeError("corrupt", key, f"decoding frames {idx} failed: {e}") from None
         return frames, idx
@@ -111,7 +115,7 @@ class Decoder(LibraryDecoder):
                 return None
             self.limits.check_clip(spec.num_frames, meta.width, meta.height, key)
             batch = dec.get_frames_at(indices=slim.indices)
-        except DecodeError:
+        except (DecodeError, *NOT_SAMPLE_ERRORS):
             raise
         except Exception:
             return None

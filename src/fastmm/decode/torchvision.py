@@ -17,6 +17,7 @@ import torchvision.io as tvio
 from PIL import Image
 
 from .base import (
+    NOT_SAMPLE_ERRORS,
     CropPlan,
     DecodeError,
     DecodeLimits,
@@ -141,6 +142,8 @@ class Decoder(LibraryDecoder):
             out = tvio.decode_jpeg(
                 [_as_tensor(d) for d in datas], mode=tvio.ImageReadMode.RGB, device=self.device
             )
+        except NOT_SAMPLE_ERRORS:
+            raise
         except Exception as e:
             raise DecodeError("corrupt", ",".join(keys), f"nvJPEG batch failed: {e}") from None
         return list(out)
