@@ -9,6 +9,10 @@ typically writes, on the generated multimodal corpus, same output size, batch an
 - images, where NVIDIA DALI is installed: DALI's own CPU pipeline as its documentation writes
   one (file reader, fused decode + random crop, antialiased resize, coin-flip mirror; its
   ``num_threads`` equal to the other arms' workers), in place of a DataLoader;
+- images from the corpus's tar shards, where webdataset is installed: WebDataset's own pipeline
+  as its documentation writes one (shards resampled, shuffle buffer, Pillow decode, the torch
+  arm's v2 augmentation, batched in torch DataLoader workers), against fastmm.DataLoader over
+  MultimodalDataset reading the same shards by offset (the fast path as above);
 - video: 16-frame clips at 224x224 (frames every 2nd source frame from a random start): torch
   DataLoader over a Dataset that decodes with torchcodec (then v2 Resize(224) + CenterCrop(224)),
   the same with PyAV, against fastmm.DataLoader over MultimodalDataset (torchcodec backend,
@@ -161,6 +165,29 @@ class DaliImageLoader:
             del pipe  # its threads end here, before the next arm forks workers
 
 
+class WebDatasetImageLoader:
+    """WebDataset's own pipeline as its documentation writes one, over the corpus's tar shards:
+    shards resampled without end, a shuffle buffer, Pillow decode and the torch arm's v2
+    augmentation in torch DataLoader workers (the same number), batched there. It takes the
+    DataLoader arguments the benchmark passes and ignores the sampler: webdataset draws its own
+    order (seeded from torch's seed, so each repetition differs as the other arms' do)."""
+
+    def __init__(self, shards: list[str], *, batch_size: int, num_workers: int, sampler=None):
+        self.shards, self.batch_size, self.num_workers = shards, batch_size, num_workers
+        self.seed = torch.initial_seed() % 2**31
+
+    def __iter__(self):
+        import webdataset as wds
+
+        transform = image_transform(SIZE)
+        images = (wds.WebDataset(self.shards, resampled=True, shardshuffle=False, seed=self.seed)
+                  .select(lambda sample: "jpg" in sample or "png" in sample)  # not the videos
+                  .shuffle(1000).decode("pil").to_tuple("jpg;png")
+                  .map(lambda sample: transform(sample[0].convert("RGB")))
+                  .batched(self.batch_size))
+        return iter(wds.WebLoader(images, batch_size=None, num_workers=self.num_workers))
+
+
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -203,6 +230,12 @@ def _arms(root: str, workload: str, batch: int, workers: int):
         }
         if _installed("nvidia.dali"):
             arms["DALI (CPU pipeline)"] = (DaliImageLoader, files)
+        if _installed("webdataset"):
+            shards = os.path.join(root, "shards")
+            arms["WebDataset (tar shards, PIL + v2)"] = (WebDatasetImageLoader, sorted(
+                os.path.join(shards, n) for n in os.listdir(shards) if n.endswith(".tar")))
+            arms["fastmm, tar shards"] = (fastmm.DataLoader, MultimodalDataset(
+                shards, decoder="torchvision", reduce=True, **{**ours, "source": "shards"}))
         return arms
     from ..decode.torchcodec import Decoder
 
@@ -278,7 +311,7 @@ def run(args) -> dict:
                 return loader_class(dataset, batch_size=batch, sampler=sampler,
                                     num_workers=args.num_workers)
             fig = harness.run_loader(make, args.num_workers, seconds, consume)
-            print(f"[{workload}] rep {rep_index} {name:28s} {fig['samples_per_s']:8.1f} "
+            print(f"[{workload}] rep {rep_index} {name:34s} {fig['samples_per_s']:8.1f} "
                   "samples/s", file=sys.stderr, flush=True)
             return fig
 
@@ -319,11 +352,13 @@ def report(result: dict) -> str:
     for workload, case in result["cases"].items():
         lines.append(f"\n{workload}: batch {case['batch_size']}, {case['num_workers']} workers "
                      "(samples/s median [min-max])")
+        width = max(map(len, case["arms"]))
         for name, s in case["arms"].items():
-            lines.append(f"  {name:28s} {s['median']:8.1f} [{s['min']:.1f}-{s['max']:.1f}]")
+            lines.append(f"  {name:{width}s} {s['median']:8.1f} [{s['min']:.1f}-{s['max']:.1f}]")
+        width = max(map(len, case["ratios_over_baselines"]))
         for name, s in case["ratios_over_baselines"].items():
             if s:
-                lines.append(f"  {name:52s} {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]")
+                lines.append(f"  {name:{width}s} {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]")
     return "\n".join(lines)
 
 
