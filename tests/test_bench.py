@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -430,6 +431,44 @@ def test_pipelines_quick_run_records_every_repetition(tmp_path):
     image = result["cases"]["image"]["ratios_over_baselines"]
     assert "fastmm, exact (pil) / fastmm" not in image
     assert ("fastmm / DALI (CPU pipeline)" in image) == pipelines._installed("nvidia.dali")
+    assert ("fastmm, tar shards / WebDataset (tar shards, PIL + v2)" in image) == \
+        pipelines._installed("webdataset")
+
+
+def test_webdataset_arm_yields_the_shards_images_as_uint8_batches(tmp_path):
+    """The WebDataset arm of the pipelines benchmark: the images of the tar shards (not the
+    other samples) as uint8 Bx3x224x224 batches, without end, in an order drawn from torch's
+    seed."""
+    pytest.importorskip("webdataset")
+    from PIL import Image
+
+    from fastmm.bench.pipelines import SIZE, WebDatasetImageLoader
+    from fastmm.sources import write_shards
+
+    samples = []
+    for i in range(6):
+        data = io.BytesIO()
+        Image.fromarray(np.full((240 + 10 * i, 300, 3), 40 * i, np.uint8)).save(
+            data, "PNG" if i % 2 else "JPEG")
+        samples.append((f"image/{i}", {"png" if i % 2 else "jpg": data.getvalue()}))
+    samples.append(("video/0", {"mp4": b"not an image: must not be decoded"}))
+    write_shards(samples, str(tmp_path), max_bytes=2000)
+    shards = sorted(str(p) for p in tmp_path.glob("*.tar"))
+    assert len(shards) > 1
+
+    def colours(seed):
+        torch.manual_seed(seed)
+        batches = iter(WebDatasetImageLoader(shards, batch_size=4, num_workers=2))
+        out = []
+        for _ in range(8):  # more images than the shards hold: resampled without end
+            batch = next(batches)
+            assert batch.shape == (4, 3, SIZE, SIZE) and batch.dtype == torch.uint8
+            out += [40 * round(v / 40) for v in batch[:, 0, 0, 0].tolist()]
+        return out
+
+    first = colours(0)
+    assert set(first) == {0, 40, 80, 120, 160, 200}
+    assert colours(1) != first
 
 
 def test_dali_arm_yields_uint8_batches_of_the_output_size(tmp_path):

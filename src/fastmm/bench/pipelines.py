@@ -182,10 +182,10 @@ class WebDatasetImageLoader:
         transform = image_transform(SIZE)
         images = (wds.WebDataset(self.shards, resampled=True, shardshuffle=False, seed=self.seed)
                   .select(lambda sample: "jpg" in sample or "png" in sample)  # not the videos
-                  .shuffle(1000).decode("pil").to_tuple("jpg;png")
-                  .map(lambda sample: transform(sample[0].convert("RGB")))
+                  .shuffle(1000).decode("pilrgb").to_tuple("jpg;png").map_tuple(transform)
                   .batched(self.batch_size))
-        return iter(wds.WebLoader(images, batch_size=None, num_workers=self.num_workers))
+        for (batch,) in wds.WebLoader(images, batch_size=None, num_workers=self.num_workers):
+            yield batch
 
 
 def _installed(module: str) -> bool:
