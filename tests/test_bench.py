@@ -433,6 +433,41 @@ def test_pipelines_quick_run_records_every_repetition(tmp_path):
     assert ("fastmm / DALI (CPU pipeline)" in image) == pipelines._installed("nvidia.dali")
     assert ("fastmm, tar shards / WebDataset (tar shards, PIL + v2)" in image) == \
         pipelines._installed("webdataset")
+    assert ("fastmm / SPDL (threads, FFmpeg)" in image) == pipelines._installed("spdl.io")
+
+
+def test_spdl_arm_yields_uint8_batches_of_the_output_size(tmp_path):
+    """The SPDL arm of the pipelines benchmark: JPEGs and PNGs of any size in, uint8
+    Bx224x224x3 batches (SPDL's own layout) of those images out, without end, in an order
+    drawn from torch's seed (as the images complete: the same order with one thread)."""
+    pytest.importorskip("spdl.io")
+    from PIL import Image
+
+    from fastmm.bench.pipelines import SIZE, SpdlImageLoader
+
+    files = []
+    for i, (fmt, h, w) in enumerate([("JPEG", 300, 400), ("PNG", 250, 260), ("JPEG", 500, 230),
+                                     ("PNG", 230, 300), ("JPEG", 240, 240)]):
+        path = tmp_path / f"{i}.{fmt.lower()}"
+        Image.fromarray(np.full((h, w, 3), 40 * i, np.uint8)).save(path, fmt)
+        files.append(str(path))
+
+    def colours(seed, threads=1):
+        torch.manual_seed(seed)
+        batches = iter(SpdlImageLoader(files, batch_size=5, num_workers=threads))
+        out = []
+        for _ in range(6):
+            batch = next(batches)
+            assert batch.shape == (5, SIZE, SIZE, 3) and batch.dtype == torch.uint8
+            assert (batch.float() - batch[:, :1, :1, :].float()).abs().max() <= 2  # flat
+            out += [40 * round(v / 40) for v in batch[:, 0, 0, 0].tolist()]
+        batches.close()
+        return out
+
+    first = colours(0)  # one thread: SPDL hands images out as they complete
+    assert set(first) == {0, 40, 80, 120, 160}
+    assert colours(0) == first and colours(1) != first
+    assert set(colours(0, threads=2)) == set(first)
 
 
 def test_webdataset_arm_yields_the_shards_images_as_uint8_batches(tmp_path):

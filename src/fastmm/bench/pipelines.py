@@ -9,6 +9,9 @@ typically writes, on the generated multimodal corpus, same output size, batch an
 - images, where NVIDIA DALI is installed: DALI's own CPU pipeline as its documentation writes
   one (file reader, fused decode + random crop, antialiased resize, coin-flip mirror; its
   ``num_threads`` equal to the other arms' workers), in place of a DataLoader;
+- images, where SPDL is installed: SPDL's own thread pipeline (FFmpeg demux and decode, the
+  crop drawn as RandomResizedCrop draws it, crop + bilinear scale + flip in FFmpeg's filter
+  graph; as many threads as the other arms' workers), batches as SPDL gives them (NHWC);
 - images from the corpus's tar shards, where webdataset is installed: WebDataset's own pipeline
   as its documentation writes one (shards resampled, shuffle buffer, Pillow decode, the torch
   arm's v2 augmentation, batched in torch DataLoader workers), against fastmm.DataLoader over
@@ -188,6 +191,52 @@ class WebDatasetImageLoader:
             yield batch
 
 
+class SpdlImageLoader:
+    """SPDL's own image pipeline as its documentation writes one, iterated like a loader: a
+    thread pool (as many threads as the other arms' workers) demuxes each file and decodes it
+    with FFmpeg, the crop and resize done in FFmpeg's filter graph (box and flip drawn as
+    RandomResizedCrop draws them, bilinear scale to 224x224, RGB), each batch converted into
+    one buffer and handed out as a torch tensor without a copy (NHWC, as SPDL gives it). It
+    takes the DataLoader arguments the benchmark passes and ignores the sampler: its order is
+    drawn from torch's seed, so each repetition differs as the other arms' do."""
+
+    def __init__(self, files: list[str], *, batch_size: int, num_workers: int, sampler=None):
+        self.files, self.batch_size, self.threads = files, batch_size, max(1, num_workers)
+        self.seed = torch.initial_seed() % 2**31
+
+    def __iter__(self):
+        import spdl.io
+        from spdl.pipeline import PipelineBuilder
+
+        from ..dataset import ResizedCrop
+
+        crop = ResizedCrop(size=(SIZE, SIZE))
+        order = torch.Generator().manual_seed(self.seed)
+
+        def paths():
+            while True:
+                yield from (self.files[i] for i in torch.randint(
+                    len(self.files), (1024,), generator=order).tolist())
+
+        def decode(path: str):
+            packets = spdl.io.demux_image(path)
+            p = crop.plan(packets.width, packets.height)
+            flip = ",hflip" if p.flip else ""
+            return spdl.io.decode_packets(packets, filter_desc=(
+                f"crop={p.width}:{p.height}:{p.left}:{p.top},"
+                f"scale={p.out_width}:{p.out_height}:flags=bilinear{flip},format=rgb24"))
+
+        def batch(frames: list):
+            return spdl.io.to_torch(spdl.io.convert_frames(frames))
+
+        pipeline = (PipelineBuilder().add_source(paths())
+                    .pipe(decode, concurrency=self.threads)
+                    .aggregate(self.batch_size).pipe(batch).add_sink(2)
+                    .build(num_threads=self.threads))
+        with pipeline.auto_stop():
+            yield from pipeline
+
+
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -230,6 +279,8 @@ def _arms(root: str, workload: str, batch: int, workers: int):
         }
         if _installed("nvidia.dali"):
             arms["DALI (CPU pipeline)"] = (DaliImageLoader, files)
+        if _installed("spdl.io"):
+            arms["SPDL (threads, FFmpeg)"] = (SpdlImageLoader, files)
         if _installed("webdataset"):
             shards = os.path.join(root, "shards")
             arms["WebDataset (tar shards, PIL + v2)"] = (WebDatasetImageLoader, sorted(
