@@ -135,15 +135,20 @@ class PyAVClipDataset(Dataset):
         return _resize_crop(clip)
 
 
-class DaliImageLoader:
-    """DALI's CPU image pipeline, iterated like a loader: batches of uint8 Bx3xSIZExSIZE torch
-    tensors (one copy out of DALI's memory, as its PyTorch iterator makes). It takes the
-    DataLoader arguments the benchmark passes and ignores the sampler: DALI's reader shuffles
-    (seeded from torch's seed, so each repetition differs as the other arms' do)."""
+class OwnPipeline:
+    """An arm that is another library's own pipeline, iterated like a loader. It takes the
+    DataLoader arguments the benchmark passes, runs ``num_workers`` threads or workers, and
+    ignores the sampler: it draws its own order, seeded from torch's seed, so each repetition
+    differs as the other arms' do."""
 
     def __init__(self, files: list[str], *, batch_size: int, num_workers: int, sampler=None):
         self.files, self.batch_size, self.threads = files, batch_size, max(1, num_workers)
         self.seed = torch.initial_seed() % 2**31
+
+
+class DaliImageLoader(OwnPipeline):
+    """DALI's CPU image pipeline: batches of uint8 Bx3xSIZExSIZE torch tensors (one copy out of
+    DALI's memory, as its PyTorch iterator makes); DALI's reader shuffles."""
 
     def __iter__(self):
         from nvidia.dali import fn, pipeline_def, types
@@ -168,41 +173,29 @@ class DaliImageLoader:
             del pipe  # its threads end here, before the next arm forks workers
 
 
-class WebDatasetImageLoader:
-    """WebDataset's own pipeline as its documentation writes one, over the corpus's tar shards:
+class WebDatasetImageLoader(OwnPipeline):
+    """WebDataset's own pipeline as its documentation writes one, over tar shards (``files``):
     shards resampled without end, a shuffle buffer, Pillow decode and the torch arm's v2
-    augmentation in torch DataLoader workers (the same number), batched there. It takes the
-    DataLoader arguments the benchmark passes and ignores the sampler: webdataset draws its own
-    order (seeded from torch's seed, so each repetition differs as the other arms' do)."""
-
-    def __init__(self, shards: list[str], *, batch_size: int, num_workers: int, sampler=None):
-        self.shards, self.batch_size, self.num_workers = shards, batch_size, num_workers
-        self.seed = torch.initial_seed() % 2**31
+    augmentation in torch DataLoader workers, batched there."""
 
     def __iter__(self):
         import webdataset as wds
 
         transform = image_transform(SIZE)
-        images = (wds.WebDataset(self.shards, resampled=True, shardshuffle=False, seed=self.seed)
+        images = (wds.WebDataset(self.files, resampled=True, shardshuffle=False, seed=self.seed)
                   .select(lambda sample: "jpg" in sample or "png" in sample)  # not the videos
                   .shuffle(1000).decode("pilrgb").to_tuple("jpg;png").map_tuple(transform)
                   .batched(self.batch_size))
-        for (batch,) in wds.WebLoader(images, batch_size=None, num_workers=self.num_workers):
+        for (batch,) in wds.WebLoader(images, batch_size=None, num_workers=self.threads):
             yield batch
 
 
-class SpdlImageLoader:
-    """SPDL's own image pipeline as its documentation writes one, iterated like a loader: a
-    thread pool (as many threads as the other arms' workers) demuxes each file and decodes it
-    with FFmpeg, the crop and resize done in FFmpeg's filter graph (box and flip drawn as
-    RandomResizedCrop draws them, bilinear scale to 224x224, RGB), each batch converted into
-    one buffer and handed out as a torch tensor without a copy (NHWC, as SPDL gives it). It
-    takes the DataLoader arguments the benchmark passes and ignores the sampler: its order is
-    drawn from torch's seed, so each repetition differs as the other arms' do."""
-
-    def __init__(self, files: list[str], *, batch_size: int, num_workers: int, sampler=None):
-        self.files, self.batch_size, self.threads = files, batch_size, max(1, num_workers)
-        self.seed = torch.initial_seed() % 2**31
+class SpdlImageLoader(OwnPipeline):
+    """SPDL's own image pipeline as its documentation writes one: a thread pool demuxes each
+    file and decodes it with FFmpeg, the crop and resize done in FFmpeg's filter graph (box and
+    flip drawn as RandomResizedCrop draws them, bilinear scale to 224x224, RGB), each batch
+    converted into one buffer and handed out as a torch tensor without a copy (NHWC, as SPDL
+    gives it)."""
 
     def __iter__(self):
         import spdl.io
