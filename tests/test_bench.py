@@ -428,6 +428,8 @@ def test_pipelines_quick_run_records_every_repetition(tmp_path):
     ratios = video["ratios_over_baselines"]
     assert {"fastmm (torchcodec) / torch + PyAV",
             "fastmm (torchcodec) / fastmm, every frame decoded"} <= set(ratios)
+    assert ("fastmm (torchcodec) / SPDL (threads, FFmpeg)" in ratios) == \
+        pipelines._installed("spdl.io")
     image = result["cases"]["image"]["ratios_over_baselines"]
     assert "fastmm, exact (pil) / fastmm" not in image
     assert ("fastmm / DALI (CPU pipeline)" in image) == pipelines._installed("nvidia.dali")
@@ -468,6 +470,33 @@ def test_spdl_arm_yields_uint8_batches_of_the_output_size(tmp_path):
     assert set(first) == {0, 40, 80, 120, 160}
     assert colours(0) == first and colours(1) != first
     assert set(colours(0, threads=2)) == set(first)
+
+
+def test_spdl_clip_arm_decodes_the_frames_the_clip_spec_draws(tmp_path):
+    """The SPDL video arm: clips of 16 frames, every 2nd from a random start, scaled and
+    centre-cropped to 224x224, BxTxHxWxC uint8 (frame i of the video is grey level 6 * i)."""
+    pytest.importorskip("spdl.io")
+    from fastmm.bench.mmcorpus import encode_h264
+    from fastmm.bench.pipelines import CLIP_FRAMES, CLIP_STRIDE, SIZE, SpdlClipLoader
+
+    path = str(tmp_path / "ramp.mp4")
+    encode_h264([np.full((48, 64, 3), 6 * i, np.uint8) for i in range(40)], 64, 48, 24, 8,
+                10, path)
+    torch.manual_seed(0)
+    batches = iter(SpdlClipLoader([path], batch_size=2, num_workers=2))
+    starts = set()
+    for _ in range(4):
+        batch = next(batches)
+        assert batch.shape == (2, CLIP_FRAMES, SIZE, SIZE, 3) and batch.dtype == torch.uint8
+        for clip in batch:
+            levels = clip.float().mean(dim=(1, 2, 3)) / 6
+            frames = levels.round().long().tolist()
+            assert (levels - levels.round()).abs().max() < 0.3, levels  # flat grey frames
+            assert frames == list(range(frames[0], frames[0] + CLIP_STRIDE * CLIP_FRAMES,
+                                        CLIP_STRIDE))
+            starts.add(frames[0])
+    batches.close()
+    assert len(starts) > 1 and max(starts) <= 40 - CLIP_STRIDE * (CLIP_FRAMES - 1) - 1
 
 
 def test_webdataset_arm_yields_the_shards_images_as_uint8_batches(tmp_path):

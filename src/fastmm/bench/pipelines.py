@@ -20,7 +20,9 @@ typically writes, on the generated multimodal corpus, same output size, batch an
   DataLoader over a Dataset that decodes with torchcodec (then v2 Resize(224) + CenterCrop(224)),
   the same with PyAV, against fastmm.DataLoader over MultimodalDataset (torchcodec backend,
   centre crop first, then torch's uint8 resize), with and without leaving out the
-  non-reference frames the clip does not return (decode.mp4; the same pixels).
+  non-reference frames the clip does not return (decode.mp4; the same pixels); and, where SPDL
+  is installed, SPDL's own thread pipeline (the clip's frames decoded by
+  ``sample_decode_video``, scaled and centre-cropped in FFmpeg's filter graph).
 
 Every arm's frame and crop choices come from the same random draws (ClipSpec, and torchvision's
 RandomResizedCrop order), so all arms do the same work; DALI's arm draws its own crops and
@@ -230,6 +232,42 @@ class SpdlImageLoader(OwnPipeline):
             yield from pipeline
 
 
+class SpdlClipLoader(OwnPipeline):
+    """SPDL's own video pipeline: a thread pool demuxes each file, draws the clip's frames as
+    the other arms do (ClipSpec, from the packet count and frame rate), and decodes just those
+    (``spdl.io.sample_decode_video``) with FFmpeg's filter graph scaling the short side to 224
+    and cropping the centre (bilinear, RGB); a batch is its clips stacked, BxTxHxWxC as SPDL
+    gives them."""
+
+    def __iter__(self):
+        import spdl.io
+        from spdl.pipeline import PipelineBuilder
+
+        order = torch.Generator().manual_seed(self.seed)
+        scale_crop = spdl.io.get_video_filter_desc(
+            scale_width=SIZE, scale_height=SIZE, scale_mode="crop", scale_algo="bilinear",
+            pix_fmt="rgb24")
+
+        def paths():
+            while True:
+                yield from (self.files[i] for i in torch.randint(
+                    len(self.files), (1024,), generator=order).tolist())
+
+        def decode(path: str) -> torch.Tensor:
+            packets = spdl.io.demux_video(path)
+            num, den = packets.frame_rate
+            idx = _clip_spec().frame_indices(len(packets), num / den)
+            frames = spdl.io.sample_decode_video(packets, idx, filter_desc=scale_crop)
+            return spdl.io.to_torch(spdl.io.convert_frames(frames))
+
+        pipeline = (PipelineBuilder().add_source(paths())
+                    .pipe(decode, concurrency=self.threads)
+                    .aggregate(self.batch_size).pipe(torch.stack).add_sink(2)
+                    .build(num_threads=self.threads))
+        with pipeline.auto_stop():
+            yield from pipeline
+
+
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -286,7 +324,7 @@ def _arms(root: str, workload: str, batch: int, workers: int):
     files = _files(root, ("mp4",))
     ours = dict(source="posix", modality="video", clip=_clip_spec(), size=SIZE, crop="center",
                 transform=media)
-    return {
+    arms = {
         "torch + torchcodec": (torch.utils.data.DataLoader, TorchcodecClipDataset(files)),
         "torch + PyAV": (torch.utils.data.DataLoader, PyAVClipDataset(files)),
         "fastmm (torchcodec)": (fastmm.DataLoader, MultimodalDataset(
@@ -294,6 +332,9 @@ def _arms(root: str, workload: str, batch: int, workers: int):
         "fastmm, every frame decoded": (fastmm.DataLoader, MultimodalDataset(
             manifest, decoder=Decoder(skip_unused_frames=False), **ours)),
     }
+    if _installed("spdl.io"):
+        arms["SPDL (threads, FFmpeg)"] = (SpdlClipLoader, files)
+    return arms
 
 
 def measure_fast_path(root: str, limit: int = 400) -> dict:
