@@ -192,37 +192,19 @@ class WebDatasetImageLoader(OwnPipeline):
             yield batch
 
 
-class SpdlImageLoader(OwnPipeline):
-    """SPDL's own image pipeline as its documentation writes one: a thread pool demuxes each
-    file and decodes it with FFmpeg, the crop and resize done in FFmpeg's filter graph (box and
-    flip drawn as RandomResizedCrop draws them, bilinear scale to 224x224, RGB), each batch
-    converted into one buffer and handed out as a torch tensor without a copy (NHWC, as SPDL
-    gives it)."""
+class SpdlPipeline(OwnPipeline):
+    """What SPDL's arms share: its thread pipeline over the files in an endless random order,
+    ``decode`` on as many threads as the other arms' workers, ``batch`` on each batch's items."""
 
-    def __iter__(self):
-        import spdl.io
+    def _run(self, decode, batch):
         from spdl.pipeline import PipelineBuilder
 
-        from ..dataset import ResizedCrop
-
-        crop = ResizedCrop(size=(SIZE, SIZE))
         order = torch.Generator().manual_seed(self.seed)
 
         def paths():
             while True:
                 yield from (self.files[i] for i in torch.randint(
                     len(self.files), (1024,), generator=order).tolist())
-
-        def decode(path: str):
-            packets = spdl.io.demux_image(path)
-            p = crop.plan(packets.width, packets.height)
-            flip = ",hflip" if p.flip else ""
-            return spdl.io.decode_packets(packets, filter_desc=(
-                f"crop={p.width}:{p.height}:{p.left}:{p.top},"
-                f"scale={p.out_width}:{p.out_height}:flags=bilinear{flip},format=rgb24"))
-
-        def batch(frames: list):
-            return spdl.io.to_torch(spdl.io.convert_frames(frames))
 
         pipeline = (PipelineBuilder().add_source(paths())
                     .pipe(decode, concurrency=self.threads)
@@ -232,26 +214,43 @@ class SpdlImageLoader(OwnPipeline):
             yield from pipeline
 
 
-class SpdlClipLoader(OwnPipeline):
-    """SPDL's own video pipeline: a thread pool demuxes each file, draws the clip's frames as
-    the other arms do (ClipSpec, from the packet count and frame rate), and decodes just those
-    (``spdl.io.sample_decode_video``) with FFmpeg's filter graph scaling the short side to 224
-    and cropping the centre (bilinear, RGB); a batch is its clips stacked, BxTxHxWxC as SPDL
-    gives them."""
+class SpdlImageLoader(SpdlPipeline):
+    """SPDL's own image pipeline as its documentation writes one: each file demuxed and decoded
+    by FFmpeg, the crop and resize done in FFmpeg's filter graph (box and flip drawn as
+    RandomResizedCrop draws them, bilinear scale to 224x224, RGB), each batch converted into
+    one buffer and handed out as a torch tensor without a copy (NHWC, as SPDL gives it)."""
 
     def __iter__(self):
         import spdl.io
-        from spdl.pipeline import PipelineBuilder
 
-        order = torch.Generator().manual_seed(self.seed)
+        from ..dataset import ResizedCrop
+
+        crop = ResizedCrop(size=(SIZE, SIZE))
+
+        def decode(path: str):
+            packets = spdl.io.demux_image(path)
+            p = crop.plan(packets.width, packets.height)
+            flip = ",hflip" if p.flip else ""
+            return spdl.io.decode_packets(packets, filter_desc=(
+                f"crop={p.width}:{p.height}:{p.left}:{p.top},"
+                f"scale={p.out_width}:{p.out_height}:flags=bilinear{flip},format=rgb24"))
+
+        return self._run(decode, lambda frames: spdl.io.to_torch(spdl.io.convert_frames(frames)))
+
+
+class SpdlClipLoader(SpdlPipeline):
+    """SPDL's own video pipeline: each file demuxed, the clip's frames drawn as the other arms
+    draw them (ClipSpec, from the packet count and frame rate) and just those decoded
+    (``spdl.io.sample_decode_video``), FFmpeg's filter graph scaling the short side to 224 and
+    cropping the centre (bilinear, RGB); a batch is its clips stacked, BxTxHxWxC as SPDL gives
+    them."""
+
+    def __iter__(self):
+        import spdl.io
+
         scale_crop = spdl.io.get_video_filter_desc(
             scale_width=SIZE, scale_height=SIZE, scale_mode="crop", scale_algo="bilinear",
             pix_fmt="rgb24")
-
-        def paths():
-            while True:
-                yield from (self.files[i] for i in torch.randint(
-                    len(self.files), (1024,), generator=order).tolist())
 
         def decode(path: str) -> torch.Tensor:
             packets = spdl.io.demux_video(path)
@@ -260,12 +259,7 @@ class SpdlClipLoader(OwnPipeline):
             frames = spdl.io.sample_decode_video(packets, idx, filter_desc=scale_crop)
             return spdl.io.to_torch(spdl.io.convert_frames(frames))
 
-        pipeline = (PipelineBuilder().add_source(paths())
-                    .pipe(decode, concurrency=self.threads)
-                    .aggregate(self.batch_size).pipe(torch.stack).add_sink(2)
-                    .build(num_threads=self.threads))
-        with pipeline.auto_stop():
-            yield from pipeline
+        return self._run(decode, torch.stack)
 
 
 def _installed(module: str) -> bool:
