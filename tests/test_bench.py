@@ -438,14 +438,9 @@ def test_pipelines_quick_run_records_every_repetition(tmp_path):
     assert ("fastmm / SPDL (threads, FFmpeg)" in image) == pipelines._installed("spdl.io")
 
 
-def test_spdl_arm_yields_uint8_batches_of_the_output_size(tmp_path):
-    """The SPDL arm of the pipelines benchmark: JPEGs and PNGs of any size in, uint8
-    Bx224x224x3 batches (SPDL's own layout) of those images out, without end, in an order
-    drawn from torch's seed (as the images complete: the same order with one thread)."""
-    pytest.importorskip("spdl.io")
+def _flat_images(tmp_path) -> list[str]:
+    """Five JPEGs and PNGs of several sizes, image i all grey level 40 * i."""
     from PIL import Image
-
-    from fastmm.bench.pipelines import SIZE, SpdlImageLoader
 
     files = []
     for i, (fmt, h, w) in enumerate([("JPEG", 300, 400), ("PNG", 250, 260), ("JPEG", 500, 230),
@@ -453,6 +448,17 @@ def test_spdl_arm_yields_uint8_batches_of_the_output_size(tmp_path):
         path = tmp_path / f"{i}.{fmt.lower()}"
         Image.fromarray(np.full((h, w, 3), 40 * i, np.uint8)).save(path, fmt)
         files.append(str(path))
+    return files
+
+
+def test_spdl_arm_yields_uint8_batches_of_the_output_size(tmp_path):
+    """The SPDL arm of the pipelines benchmark: JPEGs and PNGs of any size in, uint8
+    Bx224x224x3 batches (SPDL's own layout) of those images out, without end, in an order
+    drawn from torch's seed (as the images complete: the same order with one thread)."""
+    pytest.importorskip("spdl.io")
+    from fastmm.bench.pipelines import SIZE, SpdlImageLoader
+
+    files = _flat_images(tmp_path)
 
     def colours(seed, threads=1):
         torch.manual_seed(seed)
@@ -539,16 +545,9 @@ def test_dali_arm_yields_uint8_batches_of_the_output_size(tmp_path):
     """The DALI arm of the pipelines benchmark: JPEGs and PNGs of any size in, uint8
     Bx3x224x224 batches of those images out, in an order drawn from torch's seed."""
     pytest.importorskip("nvidia.dali")
-    from PIL import Image
-
     from fastmm.bench.pipelines import SIZE, DaliImageLoader
 
-    files = []
-    for i, (fmt, h, w) in enumerate([("JPEG", 300, 400), ("PNG", 250, 260), ("JPEG", 500, 230),
-                                     ("PNG", 230, 300), ("JPEG", 240, 240)]):
-        path = tmp_path / f"{i}.{fmt.lower()}"
-        Image.fromarray(np.full((h, w, 3), 40 * i, np.uint8)).save(path, fmt)
-        files.append(str(path))
+    files = _flat_images(tmp_path)
 
     def colours(seed):
         """The flat colour of each image of the first 6 batches, to the nearest 40."""
