@@ -284,3 +284,21 @@ def test_a_library_whose_api_changed_stops_the_loop_instead_of_skipping_everythi
         with pytest.raises((TypeError, fastmm.decode.DecoderFault), match="unexpected keyword"):
             next(iter(fastmm.DataLoader(ds, batch_size=2, collate_fn=list)))
         assert ds.skipped == {}
+
+
+@pytest.mark.parametrize("decoder, modality", [("torchcodec", "video"), ("dali", "image")])
+def test_gpu_decode_in_a_worker_forked_after_cuda_init_is_a_fault_not_a_bad_sample(
+        corpus, monkeypatch, decoder, modality):
+    """A worker forked after the main process initialised CUDA cannot use it (torch raises for
+    every sample): the GPU backends say so, with the way out, instead of counting every sample
+    corrupt. The fork's state is torch's own flag, set here as such a fork would find it."""
+    if decoder == "dali":
+        pytest.importorskip("fastmm.decode.dali")
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    clip = ClipSpec(num_frames=2) if modality == "video" else None
+    ds = MultimodalDataset(_roots(corpus)["posix"], decoder=decoder, device="cuda",
+                           modality=modality, clip=clip, size=32, crop="center",
+                           on_error="skip")
+    with pytest.raises(fastmm.decode.DecoderFault, match="forked after.*'spawn'"):
+        ds[0]
+    assert ds.skipped == {}

@@ -307,6 +307,17 @@ def test_torchvision_without_its_image_decoders_is_refused_not_counted_corrupt(m
         get_decoder("torchvision")
 
 
+def test_nvjpeg_batch_in_a_worker_forked_after_cuda_init_is_a_fault(monkeypatch):
+    """decode_jpeg_batch on CUDA in a process that cannot use CUDA (forked after its parent
+    initialised it: torch's own flag, set as such a fork finds it) is a DecoderFault naming
+    the way out, not a batch of corrupt samples."""
+    from fastmm.decode import DecoderFault
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    with pytest.raises(DecoderFault, match="forked after.*'spawn'"):
+        get_decoder("torchvision", device="cuda").decode_jpeg_batch([_jpegs()["baseline"]])
+
+
 @pytest.mark.parametrize("name", list(_jpegs()))
 def test_jpeg_size_reads_the_frame_header_as_pillow_does(name):
     from fastmm.decode.base import jpeg_size

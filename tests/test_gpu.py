@@ -127,3 +127,36 @@ def test_nvdec_slimmed_clips_are_the_same_frames(tmp_path):
         assert idx == whole_idx and torch.equal(slimmed, whole)
         assert [read_frame_index(f.cpu()) for f in slimmed] == idx
 
+
+
+class _NvjpegInWorker(Dataset):
+    """nvJPEG in the DataLoader worker: each item one JPEG decoded on the GPU."""
+
+    def __init__(self):
+        from PIL import Image
+
+        from fastmm.decode import get_decoder
+
+        out = io.BytesIO()
+        Image.new("RGB", (64, 48), (10, 200, 30)).save(out, "JPEG")
+        self.data, self.decoder = out.getvalue(), get_decoder("torchvision", device="cuda")
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return self.decoder.decode_jpeg_batch([self.data])[0].cpu()
+
+
+def test_gpu_decode_in_a_worker_forked_after_cuda_init_is_a_decoder_fault():
+    """A training script initialises CUDA before its loader forks workers, which then cannot use
+    it: a GPU decode there is a DecoderFault naming the way out, not corrupt samples; with
+    spawn it decodes."""
+    from fastmm.decode import DecoderFault
+
+    torch.zeros(1, device="cuda")  # the parent initialises CUDA
+    forked = fastmm.DataLoader(_NvjpegInWorker(), num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(DecoderFault, match="forked after.*'spawn'"):
+        next(iter(forked))
+    spawned = fastmm.DataLoader(_NvjpegInWorker(), num_workers=1, multiprocessing_context="spawn")
+    assert [tuple(b.shape) for b in spawned] == [(1, 3, 48, 64)] * 2

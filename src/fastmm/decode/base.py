@@ -52,6 +52,16 @@ NOT_SAMPLE_ERRORS = (DecoderFault, AttributeError, TypeError, NameError, ImportE
                      NotImplementedError)
 
 
+def check_gpu_usable(device: str) -> None:
+    """A process forked after its parent initialised CUDA cannot use it: torch raises for every
+    sample, which a backend would otherwise count as corrupt. Say so, with the way out."""
+    if device.startswith("cuda") and torch.cuda._is_in_bad_fork():
+        raise DecoderFault(
+            f"cannot decode on {device} in a process forked after its parent initialised CUDA; "
+            "use DataLoader(multiprocessing_context='spawn') (or 'forkserver'), or decode on "
+            "the CPU in workers")
+
+
 class DecodeLimitError(DecodeError):
     """The input would exceed a DecodeLimits cap; raised before its pixels are allocated."""
 

@@ -25,6 +25,7 @@ from .base import (
     DecoderFault,
     DecodeLimits,
     LibraryDecoder,
+    check_gpu_usable,
     crop_resize,
     jpeg_frame_header,
     jpeg_size,
@@ -79,6 +80,7 @@ class Decoder(LibraryDecoder):
         from the crop pipeline, the shape DALI read, as a numpy array); RuntimeError if DALI
         fails."""
         if kind not in self._pipes:
+            check_gpu_usable(self.device)
             try:
                 self._pipes[kind] = self._build(kind)
             except Exception as e:

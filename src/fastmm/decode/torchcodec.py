@@ -17,7 +17,15 @@ from torchcodec import decoders as tcd
 from torchcodec.transforms import DecoderTransform
 
 from . import mp4
-from .base import NOT_SAMPLE_ERRORS, ClipSpec, CropPlan, DecodeError, LibraryDecoder, crop_resize
+from .base import (
+    NOT_SAMPLE_ERRORS,
+    ClipSpec,
+    CropPlan,
+    DecodeError,
+    LibraryDecoder,
+    check_gpu_usable,
+    crop_resize,
+)
 
 
 class Decoder(LibraryDecoder):
@@ -67,6 +75,7 @@ class Decoder(LibraryDecoder):
     def _clip(self, data, spec, key, generator, transforms):
         if not data:
             raise DecodeError("empty", key, "zero-byte video")
+        check_gpu_usable(self.device)
         slims = self.skip_unused_frames or self.skip_unused_frames is None and self.device == "cpu"
         track = mp4.parse(data) if slims else None
         idx = None

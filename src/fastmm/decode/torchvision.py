@@ -23,6 +23,7 @@ from .base import (
     DecodeLimits,
     PNG_SIGNATURE,
     LibraryDecoder,
+    check_gpu_usable,
     crop_resize,
     jpeg_size,
     open_image_header,
@@ -138,6 +139,7 @@ class Decoder(LibraryDecoder):
             probe_image(d, k, self.limits)
         if not self.device.startswith("cuda"):
             return [self.decode_image(d, key=k) for d, k in zip(datas, keys)]
+        check_gpu_usable(self.device)
         try:
             out = tvio.decode_jpeg(
                 [_as_tensor(d) for d in datas], mode=tvio.ImageReadMode.RGB, device=self.device
