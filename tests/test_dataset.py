@@ -281,7 +281,7 @@ def test_a_library_whose_api_changed_stops_the_loop_instead_of_skipping_everythi
     for crop in ("center", None):
         ds = MultimodalDataset(_roots(corpus)["posix"], decoder=decoder, modality=modality,
                                clip=clip, size=32 if crop else None, crop=crop, on_error="skip")
-        with pytest.raises((TypeError, fastmm.decode.DecoderFault), match="unexpected keyword"):
+        with pytest.raises((TypeError, fastmm.DecoderFault), match="unexpected keyword"):
             next(iter(fastmm.DataLoader(ds, batch_size=2, collate_fn=list)))
         assert ds.skipped == {}
 
@@ -299,6 +299,6 @@ def test_gpu_decode_in_a_worker_forked_after_cuda_init_is_a_fault_not_a_bad_samp
     ds = MultimodalDataset(_roots(corpus)["posix"], decoder=decoder, device="cuda",
                            modality=modality, clip=clip, size=32, crop="center",
                            on_error="skip")
-    with pytest.raises(fastmm.decode.DecoderFault, match="forked after.*'spawn'"):
+    with pytest.raises(fastmm.DecoderFault, match="forked after.*'spawn'"):
         ds[0]
     assert ds.skipped == {}

@@ -4,7 +4,7 @@ from torch.utils.data import get_worker_info
 
 from .config import ConfigError, TransportConfig
 from .dataset import MultimodalDataset, ResizedCrop
-from .decode import ClipSpec, DecodeError, DecodeLimitError, DecodeLimits
+from .decode import ClipSpec, DecodeError, DecodeLimitError, DecodeLimits, DecoderFault
 from .distributed import DistributedSampler
 from .errors import FastmmWarning
 from .loader import DataLoader
@@ -21,6 +21,7 @@ __all__ = [
     "DecodeError",
     "DecodeLimitError",
     "DecodeLimits",
+    "DecoderFault",
     "DistributedSampler",
     "FastmmWarning",
     "MultimodalDataset",
