@@ -123,6 +123,36 @@ def test_every_damaged_image_decodes_or_is_counted(hostile, decoder):
     assert problems.get("truncated")  # the shard cut short
 
 
+@pytest.mark.parametrize("decoder", ["torchvision", "torchcodec", "dali"])
+def test_damaged_images_of_every_format_fail_as_decode_errors(decoder):
+    """A library error of the kinds that say our call no longer fits the library (TypeError,
+    AttributeError, ...: decode.base.NOT_SAMPLE_ERRORS) stops the loop instead of counting a
+    bad sample, so bad bytes must never raise them: damaged images of every format Pillow
+    writes, through each library decoder, decode or raise DecodeError."""
+    if decoder == "dali":
+        pytest.importorskip("nvidia.dali")
+    from fastmm.decode import DecodeError, get_decoder
+    from fastmm.decode.base import CropPlan
+
+    dec = get_decoder(decoder)
+    img = Image.effect_mandelbrot((40, 30), (-2, -1, 1, 1), 50).convert("RGB")
+    failed = 0
+    for seed, (fmt, extra) in enumerate([("JPEG", {}), ("JPEG", {"progressive": True}),
+                                         ("PNG", {}), ("WEBP", {}), ("GIF", {}), ("BMP", {}),
+                                         ("TIFF", {})]):
+        out = io.BytesIO()
+        img.save(out, fmt, **extra)
+        for data in _damaged(out.getvalue(), seed):
+            for decode in (lambda: dec.decode_image(data),
+                           lambda: dec.decode_resized_crop(
+                               data, lambda w, h: CropPlan(0, 0, h, w, 16, 16, False))):
+                try:
+                    decode()
+                except DecodeError:
+                    failed += 1
+    assert failed > 300  # most of them are damaged beyond decoding
+
+
 def test_every_damaged_video_decodes_or_is_counted(hostile):
     shards, keys = hostile
     ds = fastmm.MultimodalDataset(shards, source="shards", decoder="torchcodec", size=16,
