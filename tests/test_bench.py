@@ -91,7 +91,8 @@ def test_cli_writes_results_json(run):
     assert set(env) == ENV_KEYS
     assert env["argv"][1:] == argv
     assert set(env["versions"]) == {
-        "fastmm", "torch", "torchvision", "torchcodec", "dali", "webdataset", "av", "numpy",
+        "fastmm", "torch", "torchvision", "torchcodec", "dali", "webdataset", "spdl",
+        "mosaicml_streaming", "av", "numpy",
         "pillow", "scikit_image", "psutil", "nvidia_ml_py", "cuda", "libjpeg_turbo", "ffmpeg"}
     assert set(env["git"]) == {"repo", "commit", "dirty", "changed_files"}
     assert set(env["dev_shm"]) == {"path", "total_bytes", "free_bytes"}
@@ -260,6 +261,26 @@ def test_summarize_exact():
     assert stats.summarize([5.0]) == {"n": 1, "median": 5.0, "min": 5.0, "max": 5.0,
                                       "ci95_low": 5.0, "ci95_high": 5.0}
     assert stats.paired_ratios([2.0, None, 9.0], [1.0, 1.0, 3.0]) == [2.0, 3.0]
+
+
+def test_a_repetition_waits_for_the_last_loaders_workers_not_for_multiprocessing_helpers():
+    """Each repetition starts once the last one's workers are gone; multiprocessing's resource
+    tracker (started by shared memory, as Mosaic Streaming's arm does) lives on and is not
+    waited for (it cost every repetition the 10 s deadline)."""
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(create=True, size=16)  # starts the resource tracker
+    block.close()
+    block.unlink()
+    t0 = time.monotonic()
+    assert harness._wait_for_children(timeout=5.0) == 0
+    assert time.monotonic() - t0 < 4.0
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert harness._wait_for_children(timeout=0.2) == 1
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_wait_for_quiet_reports_what_it_saw():
@@ -436,6 +457,9 @@ def test_pipelines_quick_run_records_every_repetition(tmp_path):
     assert ("fastmm, tar shards / WebDataset (tar shards, PIL + v2)" in image) == \
         pipelines._installed("webdataset")
     assert ("fastmm / SPDL (threads, FFmpeg)" in image) == pipelines._installed("spdl.io")
+    assert ("fastmm / Mosaic Streaming (MDS, PIL + v2)" in image) == \
+        pipelines._installed("streaming")
+    assert result["versions"]["numpy"] and result["versions"]["torch"] == torch.__version__
 
 
 def _flat_images(tmp_path) -> list[str]:
@@ -539,6 +563,36 @@ def test_webdataset_arm_yields_the_shards_images_as_uint8_batches(tmp_path):
     first = colours(0)
     assert set(first) == {0, 40, 80, 120, 160, 200}
     assert colours(1) != first
+
+
+def test_mosaic_arm_yields_the_mds_images_as_uint8_batches(tmp_path):
+    """The Mosaic Streaming arm of the pipelines benchmark: the images, written once to MDS
+    shards, as uint8 Bx3x224x224 batches, without end, in an order drawn from torch's seed.
+    Mosaic Streaming pins numpy < 2.2, so CI runs this in .venv-mosaic (scripts/mosaic-env)."""
+    pytest.importorskip("streaming")
+    from fastmm.bench.pipelines import SIZE, MosaicImageLoader, ensure_mds
+
+    files = _flat_images(tmp_path)
+    mds = ensure_mds(str(tmp_path), files)
+    written = os.path.getmtime(os.path.join(mds, "index.json"))
+    assert ensure_mds(str(tmp_path), files) == mds
+    assert os.path.getmtime(os.path.join(mds, "index.json")) == written  # written once
+
+    def colours(seed):
+        torch.manual_seed(seed)
+        batches = iter(MosaicImageLoader(mds, batch_size=5, num_workers=2))
+        out = []
+        for _ in range(6):  # more images than the shards hold
+            batch = next(batches)
+            assert batch.shape == (5, 3, SIZE, SIZE) and batch.dtype == torch.uint8
+            assert (batch.float() - batch[:, :, :1, :1].float()).abs().max() <= 2  # flat
+            out += [40 * round(v / 40) for v in batch[:, 0, 0, 0].tolist()]
+        batches.close()
+        return out
+
+    first = colours(0)
+    assert set(first) == {0, 40, 80, 120, 160}
+    assert colours(0) == first and colours(1) != first
 
 
 def test_dali_arm_yields_uint8_batches_of_the_output_size(tmp_path):

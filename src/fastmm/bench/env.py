@@ -76,7 +76,8 @@ def library_versions() -> dict:
     """Versions of everything that decodes, loads or measures, None where absent."""
     versions = {name: _version(dist) for name, dist in (
         ("torch", "torch"), ("torchvision", "torchvision"), ("torchcodec", "torchcodec"),
-        ("dali", "nvidia-dali-cuda130"), ("webdataset", "webdataset"), ("av", "av"),
+        ("dali", "nvidia-dali-cuda130"), ("webdataset", "webdataset"), ("spdl", "spdl-io"),
+        ("mosaicml_streaming", "mosaicml-streaming"), ("av", "av"),
         ("numpy", "numpy"), ("pillow", "pillow"), ("scikit_image", "scikit-image"),
         ("psutil", "psutil"), ("nvidia_ml_py", "nvidia-ml-py"))}
     import torch

@@ -202,9 +202,15 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, probe_s: fl
 def _wait_for_children(timeout: float = 10.0) -> int:
     """Wait until this process has no live descendants (the last loader's workers); return how
     many were still alive at the deadline."""
+    from multiprocessing import forkserver, resource_tracker
+
+    # multiprocessing's own helpers live as long as this process (Mosaic Streaming's shared
+    # memory starts the resource tracker): they are nobody's workers
+    helpers = {resource_tracker._resource_tracker._pid, forkserver._forkserver._forkserver_pid}
     deadline = time.monotonic() + timeout
     while True:
-        alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        alive = [c for c in psutil.Process().children(recursive=True)
+                 if c.pid not in helpers and c.status() != psutil.STATUS_ZOMBIE]
         if not alive or time.monotonic() > deadline:
             return len(alive)
         time.sleep(0.01)

@@ -12,6 +12,10 @@ typically writes, on the generated multimodal corpus, same output size, batch an
 - images, where SPDL is installed: SPDL's own thread pipeline (FFmpeg demux and decode, the
   crop drawn as RandomResizedCrop draws it, crop + bilinear scale + flip in FFmpeg's filter
   graph; as many threads as the other arms' workers), batches as SPDL gives them (NHWC);
+- images, where Mosaic Streaming is installed (it pins numpy < 2.2: ``scripts/mosaic-env``
+  makes a venv with it and every other arm's library): its own pipeline, the images written
+  once to MDS shards, a StreamingVisionDataset (its shuffle) whose transform is the torch arm's,
+  in torch DataLoader workers;
 - images from the corpus's tar shards, where webdataset is installed: WebDataset's own pipeline
   as its documentation writes one (shards resampled, shuffle buffer, Pillow decode, the torch
   arm's v2 augmentation, batched in torch DataLoader workers), against fastmm.DataLoader over
@@ -37,9 +41,11 @@ import argparse
 import dataclasses
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 
@@ -48,6 +54,7 @@ from torch.utils.data import Dataset
 
 from . import harness, stats
 from .corpus import default_cache_dir
+from .env import library_versions
 from .mmcorpus import MMCORPUS_VERSION, CorpusSpec, write_corpus
 from .report import save
 from .workloads import CONSUMERS, image_transform
@@ -60,21 +67,34 @@ def media(item: dict) -> torch.Tensor:
     return item["image"] if "image" in item else item["video"]
 
 
+class PillowAugment:
+    """The typical user's image work: PIL open (a path, or the encoded bytes), convert to RGB,
+    torchvision v2 augmentation."""
+
+    def __init__(self):
+        self.transform = image_transform(SIZE)
+
+    def __call__(self, source) -> torch.Tensor:
+        from PIL import Image
+
+        if isinstance(source, bytes):
+            source = io.BytesIO(source)
+        with Image.open(source) as im:
+            return self.transform(im.convert("RGB"))
+
+
 class TorchImageDataset(Dataset):
-    """The typical user Dataset: PIL open, convert to RGB, torchvision v2 augmentation."""
+    """The typical user Dataset: each file through PillowAugment."""
 
     def __init__(self, files: list[str]):
         self.files = files
-        self.transform = image_transform(SIZE)
+        self.augment = PillowAugment()
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        from PIL import Image
-
-        with Image.open(self.files[i]) as im:
-            return self.transform(im.convert("RGB"))
+        return self.augment(self.files[i])
 
 
 def _clip_spec():
@@ -192,6 +212,45 @@ class WebDatasetImageLoader(OwnPipeline):
             yield batch
 
 
+class MosaicImageLoader(OwnPipeline):
+    """Mosaic Streaming's own image pipeline as its documentation writes one: the images in MDS
+    shards (``files`` is their directory, see ``ensure_mds``), a StreamingVisionDataset over
+    them (its shuffle; one epoch as long as the run needs, its samples drawn again) whose
+    transform is the torch arm's (Pillow decode, v2 augmentation), in torch DataLoader
+    workers."""
+
+    def __iter__(self):
+        from streaming.vision.base import StreamingVisionDataset
+
+        images = StreamingVisionDataset(
+            local=self.files, shuffle=True, shuffle_seed=self.seed, batch_size=self.batch_size,
+            epoch_size=MOSAIC_EPOCH, transform=PillowAugment())
+        loader = torch.utils.data.DataLoader(images, batch_size=self.batch_size,
+                                             num_workers=self.threads)
+        for x, _ in loader:
+            yield x
+
+
+MOSAIC_EPOCH = 1 << 20  # samples: longer than any repetition
+
+
+def ensure_mds(root: str, files: list[str]) -> str:
+    """The images ``files`` as Mosaic Streaming's MDS shards beside the corpus (their encoded
+    bytes, label = position), written once with its MDSWriter; returns their directory."""
+    out = os.path.join(root, "mds")
+    if not os.path.exists(os.path.join(out, "index.json")):
+        from streaming import MDSWriter
+
+        partial = out + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        with MDSWriter(out=partial, columns={"x": "bytes", "y": "int"}) as writer:
+            for i, path in enumerate(files):
+                with open(path, "rb") as f:
+                    writer.write({"x": f.read(), "y": i})
+        os.rename(partial, out)
+    return out
+
+
 class SpdlPipeline(OwnPipeline):
     """What SPDL's arms share: its thread pipeline over the files in an endless random order,
     ``decode`` on as many threads as the other arms' workers, ``batch`` on each batch's items."""
@@ -306,6 +365,8 @@ def _arms(root: str, workload: str, batch: int, workers: int):
             arms["DALI (CPU pipeline)"] = (DaliImageLoader, files)
         if _installed("spdl.io"):
             arms["SPDL (threads, FFmpeg)"] = (SpdlImageLoader, files)
+        if _installed("streaming"):
+            arms["Mosaic Streaming (MDS, PIL + v2)"] = (MosaicImageLoader, ensure_mds(root, files))
         if _installed("webdataset"):
             shards = os.path.join(root, "shards")
             arms["WebDataset (tar shards, PIL + v2)"] = (WebDatasetImageLoader, sorted(
@@ -372,7 +433,8 @@ def run(args) -> dict:
     consume = CONSUMERS["sum64"][0]
     out = {"command": " ".join(sys.argv), "corpus": json.load(open(os.path.join(
         root, "composition.json"))), "machine": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "cases": {}}
+        "cores": os.cpu_count(), "torch": torch.__version__, "versions": library_versions(),
+        "cases": {}}
     if "image" in args.workloads:
         out["fast_path"] = measure_fast_path(root)
     for workload in args.workloads:
