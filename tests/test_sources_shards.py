@@ -179,18 +179,27 @@ def test_other_truncations_are_reported(tmp_path, cut):
 
 
 def test_a_shard_that_cannot_be_opened_is_reported(tmp_path):
-    """A listed shard gone (or a staged copy that failed): counted as "unreadable" with its
-    path, the other shards read, in the index and in the stream; under raise, a SourceError."""
+    """A listed shard gone (or a staged copy that failed): counted as "unreadable" under its
+    name, the other shards read, in the index and in the stream; under raise, one damaged entry
+    stands for its samples in the index (so a dataset that owns the policy counts it once) and
+    raises when read, and the stream raises when it reaches the shard."""
     paths = write_shards([(f"s{i}", {"txt": b"x"}) for i in range(6)], str(tmp_path), max_count=2)
     os.unlink(paths[1])
+    name = os.path.basename(paths[1])
     src = ShardSource(paths, on_error="skip")
     assert src.keys() == ["s0", "s1", "s4", "s5"] and src.skipped == {"unreadable": 1}
-    assert src.problems[0].origin == paths[1]
+    assert src.problems[0][:3] == ("unreadable", name, f"{paths[1]}:0")
     stream = ShardSource(paths, on_error="skip")
     assert [s.key for s in stream.iter_samples()] == ["s0", "s1", "s4", "s5"]
     assert stream.skipped == {"unreadable": 1}
+    strict = ShardSource(paths)
+    assert strict.keys() == ["s0", "s1", name, "s4", "s5"]
+    assert [strict.damaged(i) for i in range(5)] == [False, False, True, False, False]
     with pytest.raises(SourceError, match="unreadable") as e:
-        ShardSource(paths).keys()
+        strict.read(2)
+    assert (e.value.key, e.value.origin) == (name, f"{paths[1]}:0")
+    with pytest.raises(SourceError, match="unreadable") as e:
+        list(strict.iter_samples())
     assert e.value.origin == paths[1]
 
 

@@ -151,6 +151,114 @@ def test_checksum_mismatch_is_refused(tmp_path):
     assert os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
 
 
+@pytest.mark.parametrize("mode", ["before", "on_touch"])
+def test_a_file_that_fails_to_stage_is_its_samples_problem(tmp_path, mode):
+    """on_error="skip": a file whose copy fails verification does not stop the staging pass;
+    its sample is counted (with its key and reason) and left out of the stream, or read without
+    that member, and the file is tried again when read, so a remote mended since is staged."""
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    files = _tree(remote)
+    write_file_manifest(remote)
+    bad = os.path.join(remote, "part1/s1.jpg")
+    with open(bad, "r+b") as f:
+        f.write(b"X")  # same size, different bytes
+    lines = []
+    src = StagedSource(remote, stage, mode=mode, on_error="skip", progress=lines.append)
+    if mode == "before":
+        assert src.staging_failed == ["part1/s1.jpg"] and src.staging_cost["files"] == 11
+        assert any("part1/s1.jpg failed (checksum" in line for line in lines)
+    assert [s.key for s in src.iter_samples()] == [k for k in src.keys() if k != "part1/s1"]
+    assert src.skipped == {"checksum": 1}
+    assert src.problems[-1][:2] == ("checksum", "part1/s1")
+    sample = src.read(src.keys().index("part1/s1"))
+    assert sample.members == {"txt": b"caption 1"} and src.skipped == {"checksum": 2}
+    assert not os.path.exists(os.path.join(stage, "part1/s1.jpg"))
+    with open(bad, "r+b") as f:
+        f.write(files["part1/s1.jpg"][:1])  # mended
+    assert src.read(src.keys().index("part1/s1")).members == {
+        "jpg": files["part1/s1.jpg"], "txt": b"caption 1"}
+    assert src.skipped == {"checksum": 2}
+
+
+def test_a_shard_that_fails_to_stage_is_counted_and_the_others_read(tmp_path):
+    remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
+    samples = [(f"s{i:03d}", {"bin": bytes([i]) * 50}) for i in range(20)]
+    write_shards(samples, remote, max_count=5)
+    write_file_manifest(remote)
+    shard = sorted(n for n in os.listdir(remote) if n.endswith(".tar"))[1]
+    with open(os.path.join(remote, shard), "r+b") as f:
+        f.seek(600)
+        f.write(b"X")
+    src = StagedSource(remote, stage, inner="shards", on_error="skip", progress=None)
+    assert src.staging_failed == [shard]
+    assert _samples(src) == samples[:5] + samples[10:]
+    assert src.skipped == {"checksum": 1}
+
+
+@pytest.mark.parametrize("on_error", ["skip", "replace"])
+def test_a_dataset_over_staged_shards_counts_a_shard_that_fails_to_stage_once(tmp_path, on_error):
+    import fastmm
+    from fastmm import MultimodalDataset
+
+    remote = str(tmp_path / "remote")
+    write_shards([(f"s{i:02d}", {"png": _png_of_level(10 * i)}) for i in range(12)], remote,
+                 max_count=4)
+    write_file_manifest(remote)
+    shard = sorted(n for n in os.listdir(remote) if n.endswith(".tar"))[1]
+    with open(os.path.join(remote, shard), "r+b") as f:
+        f.seek(600)
+        f.write(b"X")
+    ds = MultimodalDataset(remote, source="staged", inner="shards", decoder="pil", size=8,
+                           stage_dir=str(tmp_path / "stage"), on_error=on_error, progress=None)
+    levels = [b["image"][:, 0, 0, 0].tolist()
+              for b in fastmm.DataLoader(ds, batch_size=4, num_workers=2)]
+    assert levels == ([[0, 10, 20, 30], [80, 90, 100], [110]] if on_error == "skip"
+                      else [[0, 10, 20, 30], [80, 80, 90, 100], [110]])
+    assert ds.skipped == {"checksum": 1}
+
+
+@pytest.mark.parametrize("on_error", ["skip", "replace", "raise"])
+def test_a_dataset_over_a_staged_source_applies_its_policy_to_files_that_fail_to_stage(
+        tmp_path, on_error):
+    """MultimodalDataset owns the policy: with skip or replace, a file that fails to stage is
+    one bad sample, counted once across workers; with raise, staging stops."""
+    import fastmm
+    from fastmm import MultimodalDataset
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(6):
+        (remote / f"s{i}.png").write_bytes(_png_of_level(30 * i))
+    write_file_manifest(str(remote))
+    with open(remote / "s3.png", "r+b") as f:
+        f.seek(30)
+        f.write(b"XX")
+
+    def make():
+        return MultimodalDataset(str(remote), source="staged", stage_dir=str(tmp_path / "stage"),
+                                 decoder="pil", size=8, on_error=on_error, progress=None)
+
+    if on_error == "raise":
+        with pytest.raises(SourceError, match="checksum"):
+            make()
+        return
+    ds = make()
+    levels = [b["image"][:, 0, 0, 0].tolist()
+              for b in fastmm.DataLoader(ds, batch_size=3, num_workers=2)]
+    assert levels == ([[0, 30, 60], [120, 150]] if on_error == "skip"
+                      else [[0, 30, 60], [120, 120, 150]])
+    assert ds.skipped == {"checksum": 1}
+
+
+def _png_of_level(level: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.full((20, 24, 3), level, np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
 def test_size_cap(tmp_path):
     remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
     files = _tree(remote)

@@ -327,7 +327,11 @@ class MultimodalDataset(torch.utils.data.Dataset):
         else:
             if root is None:
                 raise ValueError("give root (where the samples are) or an open source")
-            # the dataset owns the bad-input policy, so the source reports every problem to it
+            # the dataset owns the bad-input policy, so the source reports every problem to it;
+            # a file a staged source fails to copy is then those samples' problem, not the run's
+            kind = config.SourceConfig.resolve(kind=source, stage_dir="").kind
+            if on_error != "raise" and kind == "staged":
+                source_options.setdefault("defer_failures", True)
             self.source = open_source(source, root, on_error="raise", **source_options)
         self.decoder = (
             decoder if hasattr(decoder, "decode_image")

@@ -6,7 +6,16 @@ import json
 import os
 from typing import Callable, Iterator, Sequence
 
-from .base import OnError, Sample, Source, check_split, slot_of, split_name, unsafe_name
+from .base import (
+    OnError,
+    Sample,
+    Source,
+    SourceError,
+    check_split,
+    slot_of,
+    split_name,
+    unsafe_name,
+)
 
 
 class PosixSource(Source):
@@ -149,6 +158,8 @@ class PosixSource(Source):
                             problem = ("too_large", f"{rel} is {size} bytes, over max_member_bytes")
                             continue
                         data[ext] = f.read()
+                except SourceError as e:  # a staged copy that failed (staged source)
+                    problem, origin = (e.reason, e.message), e.origin
                 except OSError as e:
                     problem, origin = ("unreadable", f"{rel}: {e.strerror or e}"), path
         return Sample(key, data, origin), problem

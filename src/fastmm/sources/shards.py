@@ -296,22 +296,29 @@ class ShardSource(Source):
             self._before_open(shard)
         return open(shard, "rb", buffering=buffering)
 
-    def _opened(self, shard: str):
-        """The shard open, or None once a shard that cannot be opened (gone, unreadable, a
-        staged copy that failed) is reported (raised or counted, as on_error says)."""
+    def _open_or_problem(self, shard: str):
+        """(the shard open, None), or (None, (reason, message)) for a shard that cannot be
+        opened: gone, unreadable, or a staged copy that failed."""
         try:
-            return self._open(shard)
+            return self._open(shard), None
         except SourceError as e:  # from staging on first touch
-            self.report(e.reason, e.key, e.origin, e.message)
+            return None, (e.reason, f"{e.message} ({e.origin})")
         except OSError as e:
-            self.report("unreadable", "", shard, str(e))
-        return None
+            return None, ("unreadable", str(e))
+
+    def _opened(self, shard: str):
+        """The shard open, or None once a shard that cannot be opened is reported (raised or
+        counted, as on_error says)."""
+        f, problem = self._open_or_problem(shard)
+        if problem is not None:
+            self.report(problem[0], os.path.basename(shard), shard, problem[1])
+        return f
 
     def _scan(self, shard: str) -> list:
         cache = os.path.join(os.path.dirname(shard), f".{os.path.basename(shard)}.fastmm-idx.json")
-        f = self._opened(shard)
-        if f is None:
-            return []
+        f, problem = self._open_or_problem(shard)
+        if problem is not None:  # one damaged entry stands for the shard's unknown samples
+            return [[os.path.basename(shard), 0, [], list(problem)]]
         with f:
             st = os.fstat(f.fileno())
             stamp = [st.st_size, st.st_mtime_ns, self.max_member_bytes]

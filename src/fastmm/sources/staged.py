@@ -86,6 +86,11 @@ class StagedSource(Source):
     the ``inner`` source ("posix" or "shards") from there.
 
     mode="before" copies everything when opened; "on_touch" copies a file when it is first read.
+    A file that fails to stage in mode "before" (unreadable, wrong size or checksum) raises
+    there, unless ``defer_failures`` (default: on_error == "skip"; MultimodalDataset sets it
+    when its own policy skips or replaces): then it is tried again when its samples are read,
+    where a failure is those samples', raised or counted as on_error says (a ``.tar`` to
+    extract still raises: its samples are unknown until it is unpacked).
     ``max_bytes`` caps the staged size (checked before copying; a clear SourceError "stage_cap").
     ``extract=True`` (mode "before", inner "posix") unpacks staged ``.tar`` files into
     ``<name>/``: member names are validated, links and devices never created, sizes capped, and
@@ -109,6 +114,7 @@ class StagedSource(Source):
         extract: bool = False,
         entry: str = "",
         on_error: OnError = "raise",
+        defer_failures: bool | None = None,
         timeout_s: float = 60.0,
         keep_problems: int = 100,
         progress: Callable[[str], None] | None = to_stderr,
@@ -132,6 +138,7 @@ class StagedSource(Source):
         self._url = self.remote.startswith(("http://", "https://"))
         self.stage_dir = os.path.abspath(stage_dir)
         self.mode, self.extract, self.timeout_s = mode, extract, timeout_s
+        self.defer_failures = on_error == "skip" if defer_failures is None else defer_failures
         self.max_bytes, self.max_member_bytes = max_bytes, max_member_bytes
         for sub in ("locks", "records", "tmp"):
             os.makedirs(os.path.join(self.stage_dir, META, sub), exist_ok=True)
@@ -140,6 +147,7 @@ class StagedSource(Source):
                 if held:
                     self._remove_stale(bucket)
         self.staging_cost = {"seconds": 0.0, "bytes": 0, "bytes_per_s": 0.0, "files": 0}
+        self.staging_failed: list[str] = []  # mode "before", deferred: tried again when read
         self.files = self._listing()
         self._by_path = {f.path: f for f in self.files}
         self._done: set[str] = set()
@@ -159,7 +167,9 @@ class StagedSource(Source):
                     "no_space", "", self.stage_dir, f"staging needs {need} more bytes, {free} free"
                 )
             self._stage_all(progress)
-        hook = self._touch if mode == "on_touch" else None
+        # mode "before" keeps the hook only for files it could not stage: they are tried again
+        # when read, where a failure is that sample's, raised or counted as on_error says
+        hook = self._touch if mode == "on_touch" or self.staging_failed else None
         errors = (self.skipped, self.problems)
         if inner == "posix":
             prefix = entry.rstrip("/") + "/" if entry else ""  # entry: a manifest, or a subtree
@@ -301,7 +311,16 @@ class StagedSource(Source):
         meter = Progress(progress, f"staging {self.remote} -> {self.stage_dir}", total / 1e6, "MB")
         done = 0
         for n, f in enumerate(self.files, 1):
-            self._ensure(f)
+            try:
+                self._ensure(f)
+            except SourceError as e:
+                # an extracted tar's samples are not known until it is unpacked: nothing to count
+                if not self.defer_failures or (self.extract and f.path.endswith(".tar")):
+                    raise
+                self.staging_failed.append(f.path)
+                if progress is not None:
+                    progress(f"staging {f.path} failed ({e}); its samples are tried again, "
+                             "and counted if they fail, when read")
             done += f.size
             meter.update(done / 1e6, f" ({n}/{len(self.files)} files)")
 
