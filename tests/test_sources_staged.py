@@ -250,6 +250,34 @@ def test_a_dataset_over_a_staged_source_applies_its_policy_to_files_that_fail_to
     assert ds.skipped == {"checksum": 1}
 
 
+def test_a_full_staging_disk_stops_the_run_instead_of_counting_samples(tmp_path):
+    """Out of space in stage_dir is no sample's fault: StagingError (a RuntimeError) under
+    every policy, through the loader's workers too, never a run of "bad" samples skipped."""
+    import numpy as np
+    from PIL import Image
+
+    import fastmm
+    from _shm import private_tmpfs
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):  # ~30 KB of noise each
+        Image.fromarray(rng.integers(0, 256, (100, 100, 3), np.uint8)).save(remote / f"s{i}.png")
+    with private_tmpfs("128k") as stage:
+        src = StagedSource(str(remote), stage, mode="on_touch", on_error="skip", progress=None)
+        with pytest.raises(fastmm.StagingError, match="No space left on device"):
+            for i in range(len(src)):
+                src.read(i)
+        assert src.skipped == {}
+    with private_tmpfs("128k") as stage:
+        ds = fastmm.MultimodalDataset(str(remote), source="staged", stage_dir=stage,
+                                      mode="on_touch", decoder="pil", size=8, on_error="skip")
+        with pytest.raises(fastmm.StagingError, match="FASTMM_STAGE_DIR"):
+            list(fastmm.DataLoader(ds, batch_size=2, num_workers=2))
+        assert ds.skipped == {}
+
+
 def _png_of_level(level: int) -> bytes:
     import numpy as np
     from PIL import Image

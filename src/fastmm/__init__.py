@@ -10,7 +10,7 @@ from .errors import FastmmWarning
 from .loader import DataLoader
 from .slabs import SharedMemoryError, uses_cpp
 from .stream import ShardStream
-from .sources import SourceError
+from .sources import SourceError, StagingError
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ __all__ = [
     "ShardStream",
     "SharedMemoryError",
     "SourceError",
+    "StagingError",
     "TransportConfig",
     "get_worker_info",
     "uses_cpp",

@@ -11,7 +11,7 @@ from ..config import SourceConfig
 from .base import Problem, Sample, Source, SourceError, slot_of
 from .posix import PosixSource
 from .shards import ShardSource, write_shards
-from .staged import StagedSource, write_file_manifest
+from .staged import StagedSource, StagingError, write_file_manifest
 
 SOURCES: dict[str, type[Source]] = {
     "posix": PosixSource,
@@ -36,6 +36,7 @@ __all__ = [
     "Source",
     "SourceError",
     "StagedSource",
+    "StagingError",
     "open_source",
     "slot_of",
     "write_file_manifest",

@@ -9,6 +9,7 @@ in ``staging_cost`` so studies can charge them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -31,6 +32,11 @@ MANIFEST = ".fastmm-files.jsonl"  # {"path", "size", "sha256"} per line; needed 
 META = ".fastmm-stage"  # locks, records and temporary files inside the staging directory
 _CHUNK = 1 << 20
 _LOCKS = 64  # files hash to this many lock files: parallel enough, and no lock file per file
+
+
+class StagingError(RuntimeError):
+    """The staging directory cannot take a copy (full, or over quota): the run's problem, not a
+    sample's, so no on_error policy counts it; it stops the loop with the remedy."""
 
 
 @dataclass(frozen=True)
@@ -426,6 +432,11 @@ class StagedSource(Source):
                     os.unlink(leftover)
             if os.path.isdir(tmp + ".d"):
                 shutil.rmtree(tmp + ".d")
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StagingError(
+                    f"staging {f.path} into {self.stage_dir} failed: {e.strerror}; free space "
+                    "there, or stage to a larger disk (stage_dir= or FASTMM_STAGE_DIR)"
+                ) from e
             if isinstance(e, (urllib.error.URLError, OSError)) and not isinstance(e, SourceError):
                 raise SourceError("unreadable", f.path, origin, str(e)) from e
             raise
