@@ -155,3 +155,90 @@ def test_pickles_for_workers(tree):
     src.keys()
     clone = pickle.loads(pickle.dumps(src))
     assert [clone.read(i) for i in range(len(clone))] == [src.read(i) for i in range(len(src))]
+
+
+def test_running_out_of_file_descriptors_is_not_a_bad_sample(tree, tmp_path):
+    """EMFILE is the process's problem: it propagates under on_error="skip" (counted as an
+    unreadable sample or directory, every later one would have been skipped too), from the
+    posix source's listing and reads and from the shard source alike."""
+    import errno
+    import resource
+
+    from fastmm.sources import ShardSource, write_shards
+
+    indexed, fresh = PosixSource(tree, on_error="skip"), PosixSource(tree, on_error="skip")
+    indexed.keys()
+    shards = ShardSource(write_shards([("s0", {"txt": b"x"})], str(tmp_path / "shards")),
+                         on_error="skip")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        while True:  # every descriptor the lowered limit allows, now taken
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for read in (lambda: indexed.read(0), fresh.keys, shards.keys):
+            with pytest.raises(OSError) as e:
+                read()
+            assert e.value.errno == errno.EMFILE
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert indexed.skipped == fresh.skipped == shards.skipped == {}
+    assert indexed.read(0).members and fresh.keys() == indexed.keys() and shards.keys() == ["s0"]
+
+
+def test_a_missing_root_is_an_error_not_an_empty_corpus(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no directory or manifest"):
+        PosixSource(str(tmp_path / "typo"))
+
+
+_UNLISTED_CHECK = """
+import json, sys
+from fastmm.sources import PosixSource, SourceError
+root = sys.argv[1]
+skip = PosixSource(root, on_error="skip")
+strict = PosixSource(root)
+keys = strict.keys()
+try:
+    strict.read(keys.index("b/"))
+    raised = None
+except SourceError as e:
+    raised = [e.reason, e.key]
+print(json.dumps({"skip_keys": skip.keys(), "skipped": skip.skipped,
+                  "problem": list(skip.problems[0][:2]), "strict_keys": keys, "raised": raised}))
+"""
+
+
+def test_a_directory_that_cannot_be_listed_is_counted_not_lost(tmp_path):
+    """os.walk passes over a directory it cannot list without a word: its samples were lost
+    uncounted. Now it is one damaged entry ("b/"): counted under skip, raising when read under
+    raise (and so counted once by a dataset that owns the policy). Run without the
+    capabilities that let root list any directory."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path / "tree"
+    for rel in ("a/x.jpg", "b/y.jpg", "c.jpg"):
+        _write(str(root), rel, b"data")
+    os.chmod(root / "b", 0)
+    try:
+        command = [sys.executable, "-c", _UNLISTED_CHECK, str(root)]
+        if os.geteuid() == 0:
+            if shutil.which("setpriv") is None:
+                pytest.skip("root lists any directory, and setpriv is missing to drop that")
+            caps = "-dac_override,-dac_read_search"
+            command = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *command]
+        out = json.loads(subprocess.run(command, capture_output=True, text=True,
+                                        check=True).stdout)
+    finally:
+        os.chmod(root / "b", 0o755)
+    assert out["skip_keys"] == ["a/x", "c"] and out["skipped"] == {"unreadable": 1}
+    assert out["problem"] == ["unreadable", "b/"]
+    assert out["strict_keys"] == ["a/x", "c", "b/"]
+    assert out["raised"] == ["unreadable", "b/"]

@@ -287,6 +287,11 @@ def _png_of_level(level: int) -> bytes:
     return out.getvalue()
 
 
+def test_a_remote_root_that_is_not_there_is_an_error_not_an_empty_stage(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        StagedSource(str(tmp_path / "typo"), str(tmp_path / "stage"))
+
+
 def test_size_cap(tmp_path):
     remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
     files = _tree(remote)

@@ -6,6 +6,7 @@ source can be tested, pickled into workers and reused without a tensor library.
 
 from __future__ import annotations
 
+import errno
 import re
 import sys
 import time
@@ -16,6 +17,10 @@ from typing import Callable, Iterator, Literal, NamedTuple
 from ..errors import SampleError
 
 OnError = Literal["raise", "skip"]
+
+# read errors that are the process's, not the file's (out of descriptors or memory): they
+# propagate, where counting them as bad samples could skip the rest of the corpus
+NOT_SAMPLE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 # A member name splits at the first dot of its last path component, as webdataset's
 # base_plus_ext does ("a/b.seg.png" -> key "a/b", ext "seg.png"), so both group alike.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Callable, Iterator, Sequence
 
 from .base import (
+    NOT_SAMPLE_ERRNOS,
     OnError,
     Sample,
     Source,
@@ -45,6 +47,9 @@ class PosixSource(Source):
     ):
         super().__init__(on_error=on_error, keep_problems=keep_problems, _errors=_errors)
         self.root = os.path.abspath(root)
+        if files is None and not os.path.exists(self.root):  # a typo, not an empty corpus
+            raise FileNotFoundError(
+                errno.ENOENT, "no directory or manifest for the posix source", self.root)
         self.required = tuple(required)
         self.max_member_bytes = max_member_bytes
         self._manifest = os.path.isfile(self.root) or self.root.endswith((".jsonl", ".json"))
@@ -71,11 +76,12 @@ class PosixSource(Source):
         return self._entries
 
     def _scan_tree(self):
+        unlisted: list[OSError] = []  # directories os.walk could not list
         if self._files is not None:
             rels = sorted(self._files)
         else:
             rels = []
-            for dirpath, dirnames, filenames in os.walk(self.root):
+            for dirpath, dirnames, filenames in os.walk(self.root, onerror=unlisted.append):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                 rel_dir = os.path.relpath(dirpath, self.root)
                 for name in filenames:
@@ -95,6 +101,11 @@ class PosixSource(Source):
             members, dup = groups[key]
             problem = ("duplicate_member", f"{dup[0]} repeats an extension") if dup else None
             yield key, members, os.path.join(self.root, key), problem
+        for e in unlisted:  # one damaged entry stands for a directory's unknown samples
+            if e.errno in NOT_SAMPLE_ERRNOS:
+                raise e
+            rel = os.path.relpath(e.filename, self.root).replace(os.sep, "/")
+            yield rel + "/", {}, e.filename, ("unreadable", f"directory not listed: {e.strerror}")
 
     def _scan_manifest(self):
         if self._before_open is not None:
@@ -161,6 +172,8 @@ class PosixSource(Source):
                 except SourceError as e:  # a staged copy that failed (staged source)
                     problem, origin = (e.reason, e.message), e.origin
                 except OSError as e:
+                    if e.errno in NOT_SAMPLE_ERRNOS:
+                        raise
                     problem, origin = ("unreadable", f"{rel}: {e.strerror or e}"), path
         return Sample(key, data, origin), problem
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal, Sequence
 
 from .base import (
-    OnError, Progress, Sample, Source, SourceError, check_split, slot_of, split_name, to_stderr,
-    unsafe_name,
+    NOT_SAMPLE_ERRNOS, OnError, Progress, Sample, Source, SourceError, check_split, slot_of,
+    split_name, to_stderr, unsafe_name,
 )
 
 BLOCK = 512
@@ -304,6 +304,8 @@ class ShardSource(Source):
         except SourceError as e:  # from staging on first touch
             return None, (e.reason, f"{e.message} ({e.origin})")
         except OSError as e:
+            if e.errno in NOT_SAMPLE_ERRNOS:
+                raise
             return None, ("unreadable", str(e))
 
     def _opened(self, shard: str):

@@ -55,9 +55,14 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def _raise(error: OSError):
+    raise error
+
+
 def _walk(root: str) -> Iterator[str]:
-    """Relative paths of regular files, sorted; dot names and symlinks are left out (not followed)."""
-    for dirpath, dirnames, filenames in os.walk(root):
+    """Relative paths of regular files, sorted; dot names and symlinks are left out (not
+    followed). A directory that cannot be listed raises: what it holds would not be staged."""
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             full = os.path.join(dirpath, name)
