@@ -192,8 +192,12 @@ def test_running_out_of_file_descriptors_is_not_a_bad_sample(tree, tmp_path):
 
 
 def test_a_missing_root_is_an_error_not_an_empty_corpus(tmp_path):
+    from fastmm.sources import ShardSource
+
     with pytest.raises(FileNotFoundError, match="no directory or manifest"):
         PosixSource(str(tmp_path / "typo"))
+    with pytest.raises(FileNotFoundError, match="no shard directory or shard"):
+        ShardSource(str(tmp_path / "typo.tar"))
 
 
 _UNLISTED_CHECK = """

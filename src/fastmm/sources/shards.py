@@ -8,6 +8,7 @@ Nothing in a shard is unpickled; members stay raw bytes.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -271,8 +272,10 @@ class ShardSource(Source):
                 for n in os.listdir(root)
                 if n.endswith(".tar") and not n.startswith(".")
             )
-        else:
+        elif os.path.exists(root):
             self.shards = [os.path.abspath(root)]
+        else:  # a typo, not an empty corpus
+            raise FileNotFoundError(errno.ENOENT, "no shard directory or shard", root)
         if index_cache not in ("memory", "beside"):
             raise ValueError(f"index_cache={index_cache!r}; use 'memory' or 'beside'")
         self.required = tuple(required)
