@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -252,6 +253,23 @@ def test_wrong_extension_and_bomb_through_the_policy(tmp_path):
         (item,) = ds.__getitems__([0, 1])
         assert item["image"].shape == (3, 10, 20) and int(item["image"][0, 0, 0]) == 200
         assert ds.skipped == {"too_large": 1}
+
+
+def test_a_dataset_with_no_samples_says_so(corpus, tmp_path):
+    """A wrong root, source or modality gives an empty dataset, which torch's loader iterates
+    as zero batches without a word: fastmm warns once, naming what it looked for."""
+    (tmp_path / "notes.txt").write_bytes(b"not a sample of any modality")
+    ds = MultimodalDataset(str(tmp_path), decoder="pil")
+    with pytest.warns(fastmm.FastmmWarning, match=r"no samples: its posix source holds 1, "
+                      r"none with a member ending in \.jpg, \.jpeg"):
+        assert len(ds) == 0
+    video_only = MultimodalDataset(str(tmp_path), decoder="pil", modality="video")
+    with pytest.warns(fastmm.FastmmWarning, match=r"\.mp4"):
+        assert list(fastmm.DataLoader(video_only, batch_size=2)) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(MultimodalDataset(_roots(corpus)["posix"], decoder="pil")) > 0
+        len(ds)  # once is enough
 
 
 def _changed_api(*args, **kwargs):

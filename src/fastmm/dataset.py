@@ -368,6 +368,11 @@ class MultimodalDataset(torch.utils.data.Dataset):
                 i for i in range(len(self.source))
                 if self.source.damaged(i) or any(e in wanted for e in self.source.extensions(i))
             ]
+            if not self._items:  # most likely a wrong root, source or modality: say so once
+                warnings.warn(
+                    f"fastmm: MultimodalDataset has no samples: its {self.source.kind} source "
+                    f"holds {len(self.source)}, none with a member ending in "
+                    f"{', '.join('.' + e for e in wanted)}", FastmmWarning, stacklevel=3)
         return self._items
 
     def __len__(self) -> int:
