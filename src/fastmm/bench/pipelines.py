@@ -212,6 +212,9 @@ class WebDatasetImageLoader(OwnPipeline):
             yield batch
 
 
+MOSAIC_EPOCH = 1 << 20  # samples: longer than any repetition
+
+
 class MosaicImageLoader(OwnPipeline):
     """Mosaic Streaming's own image pipeline as its documentation writes one: the images in MDS
     shards (``files`` is their directory, see ``ensure_mds``), a StreamingVisionDataset over
@@ -229,9 +232,6 @@ class MosaicImageLoader(OwnPipeline):
                                              num_workers=self.threads)
         for x, _ in loader:
             yield x
-
-
-MOSAIC_EPOCH = 1 << 20  # samples: longer than any repetition
 
 
 def ensure_mds(root: str, files: list[str]) -> str:
