@@ -35,7 +35,7 @@ from ._wrappers import all_wrapped
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
 from .errors import FastmmWarning
-from .sources import Problem, Source, SourceError, open_source
+from .sources import Problem, Source, SourceError, open_source, source_kind
 from .telemetry import stage
 
 OnError = Literal["raise", "skip", "replace"]
@@ -329,8 +329,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
                 raise ValueError("give root (where the samples are) or an open source")
             # the dataset owns the bad-input policy, so the source reports every problem to it;
             # a file a staged source fails to copy is then those samples' problem, not the run's
-            kind = config.SourceConfig.resolve(kind=source, stage_dir="").kind
-            if on_error != "raise" and kind == "staged":
+            if on_error != "raise" and source_kind(source) == "staged":
                 source_options.setdefault("defer_failures", True)
             self.source = open_source(source, root, on_error="raise", **source_options)
         self.decoder = (

@@ -20,11 +20,15 @@ SOURCES: dict[str, type[Source]] = {
 }
 
 
-def open_source(kind: str | None, root, **options) -> Source:
-    """Open a source by name; ``kind=None`` means FASTMM_SOURCE, else "posix"."""
+def source_kind(kind: str | None) -> str:
+    """The source name ``kind`` stands for: itself, or for None FASTMM_SOURCE, else "posix"."""
     # stage_dir is the staged source's own business; "" keeps resolve from reading it here
-    kind = SourceConfig.resolve(kind=kind, stage_dir="").kind
-    return SOURCES[kind](root, **options)
+    return SourceConfig.resolve(kind=kind, stage_dir="").kind
+
+
+def open_source(kind: str | None, root, **options) -> Source:
+    """Open a source by name (see ``source_kind``)."""
+    return SOURCES[source_kind(kind)](root, **options)
 
 
 __all__ = [
@@ -39,6 +43,7 @@ __all__ = [
     "StagingError",
     "open_source",
     "slot_of",
+    "source_kind",
     "write_file_manifest",
     "write_shards",
 ]
