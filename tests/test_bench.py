@@ -52,8 +52,9 @@ ARM_SUMMARY_KEYS = {
 MEMORY_CONDITION_KEYS = {
     "torch_samples_per_s", "fastmm_samples_per_s", "torch_peak_total_pss_bytes",
     "fastmm_peak_total_pss_bytes", "torch_peak_pss_over_baseline_bytes",
-    "fastmm_peak_pss_over_baseline_bytes", "ratio_over_baseline_fastmm_over_torch", "met",
-    "met_on_total", "torch_peak_shmem_over_baseline_bytes", "fastmm_peak_shmem_over_baseline_bytes",
+    "fastmm_peak_pss_over_baseline_bytes", "ratio_over_baseline_fastmm_over_torch",
+    "paired_ratios_over_baseline", "verdict", "verdict_on_total",
+    "torch_peak_shmem_over_baseline_bytes", "fastmm_peak_shmem_over_baseline_bytes",
 }
 STAT_KEYS = {"n", "median", "min", "max", "ci95_low", "ci95_high"}
 
@@ -189,7 +190,10 @@ def test_cli_writes_results_json(run):
             t = summary["arms"]["torch"][prefix + "peak_pss_over_baseline_bytes"]["median"]
             f = summary["arms"]["fastmm"][prefix + "peak_pss_over_baseline_bytes"]["median"]
             assert (c["torch_peak_pss_over_baseline_bytes"], c["fastmm_peak_pss_over_baseline_bytes"]) == (t, f)
-            assert c["met"] == (f <= t)
+            ratios = c["paired_ratios_over_baseline"]
+            assert c["verdict"] == stats.verdict(ratios, 1.0, at_most=True)
+            if ratios["n"] == 1:  # one round: the verdict is that round's comparison
+                assert c["verdict"] == ("met" if f <= t else "NOT met")
             if condition == "paced":
                 assert c["conclusive"] == all(memory["kept_pace"].values())
             if t > 0:
@@ -202,7 +206,9 @@ def test_cli_writes_results_json(run):
         torch_med = summary["arms"]["torch"]["samples_per_s"]["median"]
         fastmm_med = summary["arms"]["fastmm"]["samples_per_s"]["median"]
         assert summary["ratio_fastmm_over_torch"] == pytest.approx(fastmm_med / torch_med)
-        assert set(summary["target"]) == {"description", "ratio", "met"}
+        assert set(summary["target"]) == {"description", "ratio", "verdict"}
+        assert summary["target"]["verdict"] == stats.verdict(
+            summary["paired_ratios_fastmm_over_torch"], summary["target"]["ratio"])
         if name.startswith("transport"):
             ceiling = summary["ceiling"]
             assert set(ceiling) == {
@@ -261,6 +267,23 @@ def test_summarize_exact():
     assert stats.summarize([5.0]) == {"n": 1, "median": 5.0, "min": 5.0, "max": 5.0,
                                       "ci95_low": 5.0, "ci95_high": 5.0}
     assert stats.paired_ratios([2.0, None, 9.0], [1.0, 1.0, 3.0]) == [2.0, 3.0]
+
+
+def test_a_target_is_judged_by_the_interval_not_the_median():
+    """Repetitions that cannot tell a loader from the target say so; a median a hair off the
+    target is not a result (the main job printed 'NOT met' for 44 MiB against 44 MiB)."""
+    def ratios(low, high):
+        return {"n": 3, "median": (low + high) / 2, "min": low, "max": high,
+                "ci95_low": low, "ci95_high": high}
+
+    assert stats.verdict(ratios(1.02, 1.3), 1.0) == "met"
+    assert stats.verdict(ratios(0.8, 0.97), 1.0) == "NOT met"
+    assert stats.verdict(ratios(0.9, 1.26), 1.0) == "not shown"
+    assert stats.verdict(ratios(0.7, 0.95), 1.0, at_most=True) == "met"
+    assert stats.verdict(ratios(1.01, 1.2), 1.0, at_most=True) == "NOT met"
+    assert stats.verdict(ratios(0.98, 1.03), 1.0, at_most=True) == "not shown"
+    assert stats.verdict(stats.summarize([1.01]), 1.0, at_most=True) == "NOT met"
+    assert stats.verdict(None, 1.0) is None
 
 
 def test_a_repetition_waits_for_the_last_loaders_workers_not_for_multiprocessing_helpers():

@@ -349,9 +349,16 @@ def _kept_pace(rep: dict) -> bool:
     return rep["fetch_wait_s"] <= (1.0 - KEPT_PACE) * rep["window_s"]
 
 
-def _memory_condition(arms: dict, prefix: str) -> dict | None:
+def _memory_condition(arms: dict, reps: dict[str, list[dict]], phase: str) -> dict | None:
     """Peak PSS of both loaders under one condition (max throughput or paced) and the verdict
-    on the memory target: fastmm's median peak over idle no higher than torch's."""
+    on the memory target (fastmm's peak over idle no higher than torch's), from the ratios of
+    the rounds' repetitions, which ran back to back."""
+    prefix = "paced_" if phase == "memory-paced" else ""
+    torch_reps, fastmm_reps = ([r for r in reps[name] if r["phase"] == phase]
+                               for name in ("torch", "fastmm"))
+    over_idle = stats.summarize(stats.paired_ratios(_over_idle(fastmm_reps), _over_idle(torch_reps)))
+    total = stats.summarize(stats.paired_ratios(
+        [r["peak_total_pss_bytes"] for r in fastmm_reps], [r["peak_total_pss_bytes"] for r in torch_reps]))
     t_idle = arms["torch"][prefix + "peak_pss_over_baseline_bytes"]
     f_idle = arms["fastmm"][prefix + "peak_pss_over_baseline_bytes"]
     t_total = arms["torch"][prefix + "peak_total_pss_bytes"]
@@ -372,8 +379,9 @@ def _memory_condition(arms: dict, prefix: str) -> dict | None:
         "ratio_over_baseline_fastmm_over_torch": (
             f_idle["median"] / t_idle["median"] if t_idle["median"] > 0 else None
         ),
-        "met": f_idle["median"] <= t_idle["median"],
-        "met_on_total": f_total["median"] <= t_total["median"],
+        "paired_ratios_over_baseline": over_idle,
+        "verdict": stats.verdict(over_idle, 1.0, at_most=True),
+        "verdict_on_total": stats.verdict(total, 1.0, at_most=True),
         "torch_peak_shmem_over_baseline_bytes": t_shm["median"] if t_shm else None,
         "fastmm_peak_shmem_over_baseline_bytes": f_shm["median"] if f_shm else None,
     }
@@ -429,13 +437,13 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
     kept_pace = {
         name: all(_kept_pace(r) for r in figs) if figs else None for name, figs in paced_reps.items()
     }
-    paced = _memory_condition(arms, "paced_")
+    paced = _memory_condition(arms, reps, "memory-paced")
     if paced is not None:
         # The paced comparison means something only if both loaders held full buffers.
         paced["conclusive"] = all(kept_pace.values())
     summary["memory"] = {
         "target": MEMORY_TARGET,
-        "max_throughput": _memory_condition(arms, ""),
+        "max_throughput": _memory_condition(arms, reps, "memory"),
         "paced": paced,
         "pace_factor": PACE_FACTOR,
         "kept_pace_fraction": KEPT_PACE,
@@ -462,7 +470,7 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
         summary["target"] = {
             "description": "fastmm >= 3x torch samples/s",
             "ratio": 3.0,
-            "met": summary["ratio_fastmm_over_torch"] >= 3.0,
+            "verdict": stats.verdict(summary["paired_ratios_fastmm_over_torch"], 3.0),
         }
     else:
         getitem = _timed(reps["getitem-1-thread"], "samples_per_s")
@@ -485,7 +493,7 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
             "description": "fastmm never slower than torch"
             + ("; aim >= 1.1x at batch 256" if aim > 1.0 else ""),
             "ratio": aim,
-            "met": summary["ratio_fastmm_over_torch"] >= aim,
+            "verdict": stats.verdict(summary["paired_ratios_fastmm_over_torch"], aim),
         }
     foreign = [
         a["other_processes_cpu_cores"]["max"] for a in arms.values() if a["other_processes_cpu_cores"]

@@ -60,9 +60,14 @@ def method(consume: str) -> dict:
         "intervals: back to back it would take about a core and the workers of a 2-core machine "
         "could not hold the pace; the plateau of full buffers lasts most of each step, so sparser "
         "samples still find it",
-        "memory_target": "fastmm's peak PSS no higher than torch's: met when fastmm's median peak "
-        "PSS over idle is <= torch's, judged per condition; met_on_total compares peak total PSS; "
-        "paced.conclusive is false when a loader did not keep pace (its buffers were not full)",
+        "memory_target": "fastmm's peak PSS no higher than torch's, judged per condition on the "
+        "ratios fastmm/torch of peak PSS over idle in each round (their repetitions ran back to "
+        "back); verdict_on_total judges peak total PSS the same way; paced.conclusive is false "
+        "when a loader did not keep pace (its buffers were not full)",
+        "verdicts": "a target is met when the percentile-bootstrap 95% CI of the median paired "
+        "ratio lies wholly on the target's side, NOT met when it lies wholly on the other, and "
+        "not shown when it straddles the target (the repetitions cannot tell); one repetition's "
+        "interval is its value",
         "cpu_ms_per_sample": "user+system CPU of the main process and its workers during the "
         "window, per sample",
         "other_processes_cpu_cores": "machine-wide busy CPU minus this benchmark's own, during the "
@@ -177,13 +182,13 @@ def _memory_notes(case: dict) -> list[str]:
             f"than torch's): "
             + (
                 f"INCONCLUSIVE (a loader did not keep pace; the figures say "
-                f"{'met' if c['met'] else 'NOT met'})"
+                f"{_verdict(c['verdict'], c['paired_ratios_over_baseline'])})"
                 if c.get("conclusive") is False
-                else ("met" if c["met"] else "NOT met")
+                else _verdict(c["verdict"], c["paired_ratios_over_baseline"])
             )
         )
-        if c["met"] != c["met_on_total"]:
-            text += f" (on peak total PSS: {'met' if c['met_on_total'] else 'NOT met'})"
+        if c["verdict"] != c["verdict_on_total"]:
+            text += f" (on peak total PSS: {c['verdict_on_total']})"
         rates = (c["torch_samples_per_s"], c["fastmm_samples_per_s"])
         if None not in rates:
             text += f"; loop rate with the sampler on: torch {rates[0]:.0f}/s, fastmm {rates[1]:.0f}/s"
@@ -210,6 +215,16 @@ def _digest_note(case: dict) -> str:
             f"{text(digests['fastmm'])}")
 
 
+def _verdict(verdict: str | None, ratios: dict | None) -> str:
+    """A target's verdict with the interval it was judged on."""
+    if not ratios:
+        return verdict or "-"
+    if ratios["n"] < 2:
+        return f"{verdict} (one repetition: no interval)"
+    return (f"{verdict} (95% CI of the paired ratio {ratios['ci95_low']:.2f}-"
+            f"{ratios['ci95_high']:.2f}x)")
+
+
 def _notes(case: dict) -> list[str]:
     s = case["summary"]
     notes = []
@@ -218,7 +233,7 @@ def _notes(case: dict) -> list[str]:
     notes.append(
         f"fastmm/torch = {s['ratio_fastmm_over_torch']:.2f}x (paired per repetition "
         f"{pr['min']:.2f}-{pr['max']:.2f}); target {target['description']}: "
-        f"{'met' if target['met'] else 'NOT met'}"
+        f"{_verdict(target['verdict'], pr)}"
     )
     if "ceiling" in s:
         c = s["ceiling"]

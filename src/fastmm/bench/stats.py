@@ -34,3 +34,18 @@ def paired_ratios(numerators, denominators) -> list[float]:
         for n, d in zip(numerators, denominators)
         if n is not None and d is not None and d > 0
     ]
+
+
+def verdict(ratios: dict | None, aim: float, *, at_most: bool = False) -> str | None:
+    """A target on a ratio judged by the 95% CI of its median (``summarize``'s), so that noise
+    is not read as a result: "met" when the whole interval is on the target's side of ``aim``
+    (>= aim, or <= aim with ``at_most``), "NOT met" when it is wholly on the other side, and
+    "not shown" when it straddles ``aim``. One repetition's interval is its value."""
+    if not ratios:
+        return None
+    low, high = ratios["ci95_low"], ratios["ci95_high"]
+    if at_most:
+        low, high, aim = -high, -low, -aim
+    if low >= aim:
+        return "met"
+    return "NOT met" if high < aim else "not shown"

@@ -41,7 +41,7 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
     # 3-6x slower than on quiet ones, with the loader's transport-clone case (about 60 s; now
     # left to the loader's own run). Each part's own default run is fuller: both transport
     # cases, both decode batch sizes, 400 images to stage, three shard sizes.
-    loader = ["--quick"] if quick else ["--reps", "3", "--mem-reps", "1", "--min-seconds", "2",
+    loader = ["--quick"] if quick else ["--reps", "3", "--mem-reps", "2", "--min-seconds", "2",
                                         "--clip-modes", "view", "--num-images", "600",
                                         "--decode-batch-sizes", "32"]
     staging = ["--quick"] if quick else ["--images", "240"]
