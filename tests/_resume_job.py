@@ -93,6 +93,30 @@ class PositionedStream(AugmentedStream):
         self.start = state["pos"]
 
 
+class StaysAtItsEnd(AugmentedStream):
+    """Keeps how far it got in state_dict() and starts its next iterator there after
+    load_state_dict(), its end included, as torchdata's GeneratorIterable and Hugging Face's
+    resumable streams do: its state as an epoch ran out says "nothing left"."""
+
+    def __init__(self, n: int = 29):
+        super().__init__(n)
+        self.pos, self.start = 0, None
+
+    def __iter__(self):
+        start, self.start = self.start or 0, None
+        self.pos = start
+        for k, i in enumerate(self.ids()):
+            if k >= start:
+                self.pos = k + 1
+                yield self.augment(i)
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.start = state["pos"]
+
+
 class EpochStream(PositionedStream):
     """Also counts its own epochs in each copy, advanced as its iterator runs out (as streams
     that reshuffle without set_epoch() do), and puts the count in its ids."""

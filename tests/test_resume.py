@@ -22,7 +22,8 @@ import torch
 import fastmm
 from fastmm import resume
 
-from _resume_job import Augmented, AugmentedStream, EpochStream, GaussianEvery, PositionedStream
+from _resume_job import (Augmented, AugmentedStream, EpochStream, GaussianEvery, PositionedStream,
+                         StaysAtItsEnd)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPOCHS = 2
@@ -203,6 +204,33 @@ def test_resume_a_stream_whose_copies_count_their_epochs(config):
     assert ids == ({0, 1} if config.get("persistent_workers") or not config["num_workers"]
                    else {0})
     _check_resume_everywhere(make, lambda n: [1, n - 1, n, n + 1, n + 2, 2 * n - 1])
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "not persistent"])
+@pytest.mark.parametrize("saved", ["as the epoch ran out", "as the next began"])
+def test_a_stream_that_stays_at_its_end_gets_its_next_epoch(persistent, saved):
+    """A state saved between epochs restores the next epoch whole, also for a stream whose
+    state at its end says "nothing left" (torchdata's test_state_dict TestSnapshotEnd, with
+    persistent workers, found the restored epoch empty): the state goes, as in torchdata, to
+    an iterator that runs out, and the epoch gets one of its own."""
+    def make():
+        return fastmm.DataLoader(StaysAtItsEnd(), batch_size=3, num_workers=2,
+                                 persistent_workers=persistent)
+
+    _seed_main(0)
+    loader = make()
+    first = [b.tolist() for b in loader]
+    if saved == "as the next began":
+        it = iter(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    rng = resume.capture_rng()
+    second = [b.tolist() for b in (it if saved == "as the next began" else loader)]
+    assert len(second) == len(first) > 0
+    _seed_main(1234)
+    loader = make()
+    loader.load_state_dict(state)
+    resume.apply_rng(rng)
+    assert [b.tolist() for b in loader] == second  # this epoch, not the one after
 
 
 class DrawingIterator:

@@ -407,16 +407,21 @@ def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
 def carried_streams(streams: list) -> list:
     """The stream states persistent workers start an epoch from: a worker whose iterator ran
     out goes on with the dataset copy it had then (an epoch count it keeps, say)."""
-    return [("dataset", s[1]) if s is not None and s[0] == "ended" and s[1] is not None
-            else None for s in streams]
+    return [("carried", s[1]) if s is not None and s[0] in ("ended", "carried")
+            and s[1] is not None else None for s in streams]
 
 
 def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
     """A fetcher made by ``make_fetcher()`` whose iterator goes on from ``stream`` (a
-    stream_state()): the dataset's state is loaded before iter() is called, the iterator's
-    after (torchdata's order)."""
+    stream_state(), or carried_streams()' between epochs): the dataset's state is loaded before
+    iter() is called, the iterator's after (torchdata's order). The state of a copy whose
+    iterator ran out goes, as in torchdata, to an iterator that runs out (pulled once), so a
+    stream that starts its next iterator where its state says (torchdata's and Hugging Face's
+    resumable streams: at the end) uses it up there; a carried one's next epoch then gets an
+    iterator of its own (without that, a restored persistent worker's epoch was empty). The
+    pull leaves the RNGs as they were."""
     kind, state = stream if stream is not None else (None, None)
-    if kind in ("dataset", "ended") and state is not None:
+    if kind in ("dataset", "ended", "carried") and state is not None:
         dataset.load_state_dict(state)
     fetcher = make_fetcher()
     if kind == "iterator":
@@ -424,8 +429,13 @@ def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
             raise ValueError("the saved state is of the dataset's iterator, but iter(dataset) "
                              "now returns one without load_state_dict()")
         fetcher.dataset_iter.load_state_dict(state)
-    if kind == "ended":
+    if kind in ("ended", "carried"):
+        if state is not None:
+            with KeepRng():  # the run that saved it drew nothing here
+                next(fetcher.dataset_iter, None)
         fetcher.ended = True
+    if kind == "carried":
+        fetcher = make_fetcher()
     return fetcher
 
 
@@ -652,7 +662,7 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
     if streams is not None and now["kind"] == "iterable" and (mid_epoch or same_workers):
         _check(isinstance(streams, list) and len(streams) == max(1, loader.num_workers)
                and all(s is None or isinstance(s, (list, tuple)) and len(s) == 2
-                       and s[0] in ("iterator", "dataset", "ended") for s in streams),
+                       and s[0] in ("iterator", "dataset", "ended", "carried") for s in streams),
                "worker_streams")
         p.worker_streams = [None if s is None else tuple(s) for s in streams]
     # the generators' states now (a mid-epoch replay then sets the sampler's own from the epoch's)
