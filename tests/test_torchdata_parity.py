@@ -16,7 +16,6 @@ from torch.utils.data import Dataset, IterableDataset, RandomSampler, Sampler, g
 import fastmm
 
 torchdata = pytest.importorskip("torchdata.stateful_dataloader")
-LOADERS = {"fastmm": fastmm.DataLoader, "torchdata": torchdata.StatefulDataLoader}
 
 
 def identity(batch):
