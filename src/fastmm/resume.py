@@ -433,9 +433,9 @@ def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
         if state is not None:
             with KeepRng():  # the run that saved it drew nothing here
                 next(fetcher.dataset_iter, None)
+        if kind == "carried":
+            return make_fetcher()
         fetcher.ended = True
-    if kind == "carried":
-        fetcher = make_fetcher()
     return fetcher
 
 
