@@ -128,7 +128,7 @@ class Counting(Sampler):
 
 def _interrupted(make, interrupt):
     """The batches after ``interrupt``, from the loader itself and from a new one restored
-    from its state (through JSON where the state is plain)."""
+    from its state."""
     loader = make()
     it = iter(loader)
     for _ in range(interrupt):
