@@ -807,6 +807,9 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
             # a worker blocked on sending gets EPIPE and exits
             for conn in filter(None, self._result_conns):
                 conn.close()
+            # unmapped before the join: the exiting workers then free the slabs' pages, in
+            # parallel, instead of this thread after them
+            self._ring.close()
             deadline = time.monotonic() + join_s
             for process in self._started():
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
