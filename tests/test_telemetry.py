@@ -46,6 +46,80 @@ def test_stage_latencies_are_the_sleeps(loader_cls, workers, context):
     assert m["spans_dropped"] == 0 and m["samples_failed"] == 0 and m["worker_restarts"] == 0
 
 
+class StagedStream(torch.utils.data.IterableDataset):
+    """Staged's samples as a stream, split between workers (worker w takes every w-th)."""
+
+    def __init__(self, n: int):
+        self.items = Staged(n)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info else (0, 1)
+        return (self.items[i] for i in range(first, len(self.items), step))
+
+
+@pytest.mark.parametrize("workers, batch_size", [(0, 4), (2, 4), (2, None)])
+def test_stream_sample_latencies_are_the_sleeps(loader_cls, workers, batch_size):
+    """An IterableDataset's samples, the last ones of each worker in a short batch or alone,
+    each counted once with its sleep."""
+    tm = Telemetry()
+    loader = loader_cls(StagedStream(22), batch_size=batch_size, num_workers=workers)
+    got = [b for b in tm.watch(loader)]
+    assert sorted(torch.cat([b.view(-1, 4) for b in got])[:, 0].tolist()) == list(range(22))
+    m = tm.summary()["metrics"]
+    assert m["sample_s"]["count"] == m["decode_s"]["count"] == 22
+    assert 0.014 <= m["sample_s"]["p50"] <= 0.0155, m["sample_s"]
+    assert m["spans_dropped"] == 0
+
+
+def test_a_random_split_times_each_sample_and_a_batched_fetch_stays_batched(loader_cls):
+    """A Subset (random_split) indexes its dataset item by item: each sample is timed. Over a
+    dataset with its own __getitems__, the Subset's batch goes through it, watched or not."""
+    from _datasets import GetItemsDataset
+
+    tm = Telemetry()
+    train, _ = torch.utils.data.random_split(Staged(24), [16, 8], generator=torch.Generator().manual_seed(0))
+    got = torch.cat(list(tm.watch(loader_cls(train, batch_size=4, num_workers=2))))
+    assert sorted(got[:, 0].tolist()) == sorted(train.indices)
+    m = tm.summary()["metrics"]
+    assert m["sample_s"]["count"] == 16 and 0.014 <= m["sample_s"]["p50"] <= 0.0155
+
+    batched = torch.utils.data.Subset(GetItemsDataset(12), [3, 5, 7, 9])
+    plain = list(loader_cls(batched, batch_size=2, num_workers=2))
+    watched = list(Telemetry().watch(loader_cls(batched, batch_size=2, num_workers=2)))
+    assert [b["via"] for b in watched] == [b["via"] for b in plain] == [["getitems"] * 2] * 2
+    assert all(torch.equal(w["x"], p["x"]) for w, p in zip(watched, plain))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_endless_stream_counts_the_samples_of_the_batches_it_made(loader_cls, workers):
+    """A stream that never ends (spans written a batch at a time, not only at its end)."""
+    tm = Telemetry()
+    loader = loader_cls(StagedStream(10**9), batch_size=4, num_workers=workers)
+    for i, _ in enumerate(tm.watch(loader)):
+        if i == 4:
+            break
+    m = tm.summary()["metrics"]
+    assert 20 <= m["sample_s"]["count"] <= m["decode_s"]["count"]
+    assert 0.014 <= m["sample_s"]["p50"] <= 0.0155, m["sample_s"]
+
+
+def test_spans_written_together_keep_their_order_and_count_what_the_ring_lost():
+    from fastmm.telemetry.recorder import SpanLog
+
+    log = SpanLog(rows=2, capacity=8)
+    log.write_spans(1, 3, [10, 20, 30], [11, 21, 31])
+    first = log.drain()
+    assert first.tolist() == [[1, 3, 10, 11, 0], [1, 3, 20, 21, 0], [1, 3, 30, 31, 0]]
+    log.write(1, 2, 40, 41, 7)
+    log.write_spans(1, 0, list(range(100, 120)), list(range(200, 220)))  # more than 8 at once
+    rest = log.drain()
+    assert rest[:, 2].tolist() == list(range(112, 120)) and rest[:, 3].tolist() == list(range(212, 220))
+    assert log.dropped == 13  # the single write and the first 12 of the 20
+    log.write_spans(1, 0, [], [])
+    assert len(log.drain()) == 0
+
+
 class Fast(Dataset):
     def __len__(self):
         return 40

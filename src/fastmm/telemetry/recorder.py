@@ -31,11 +31,12 @@ ROWS = 65  # the main process and 64 worker slots (worker id mod 64)
 CAPACITY = 16384  # spans per row between drains
 
 _active: tuple["SpanLog", int] | None = None  # this process's log and row, while watched
+_unwritten: "_TimedIterator | None" = None  # holds sample spans the next collate writes
 
 
 def _forget_in_child() -> None:  # a forked worker finds its own row on first use
-    global _active
-    _active = None
+    global _active, _unwritten
+    _active = _unwritten = None
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -72,6 +73,21 @@ class SpanLog:
         _RECORD.pack_into(self._bytes, head + 8 + (n % self.capacity) * 8 * _FIELDS,
                           code, start_ns, end_ns, value)
         _COUNT.pack_into(self._bytes, head, n + 1)  # published after the record (x86 order)
+
+    def write_spans(self, row: int, code: int, starts, ends) -> None:
+        """Many spans in one call: a batch's samples cost ~0.1 us each this way, against
+        ~0.6 us for a write() per sample."""
+        n = len(starts)
+        if n == 0:
+            return
+        count = int(self._view[row, 0])
+        keep = min(n, self.capacity)  # more than the ring holds: the oldest are overwritten
+        records = self._view[row, 1:].reshape(self.capacity, _FIELDS)
+        slots = (count + n - keep + np.arange(keep)) % self.capacity
+        records[slots] = np.column_stack([
+            np.full(keep, code, dtype=np.int64), np.asarray(starts[n - keep:], dtype=np.int64),
+            np.asarray(ends[n - keep:], dtype=np.int64), np.zeros(keep, dtype=np.int64)])
+        self._view[row, 0] = count + n  # published after the records (x86 order)
 
     def note_reads(self, row: int, first: bool = False, chars: int | None = None) -> None:
         """Publish a read counter in its row (``first``: a new process starts recording): this
@@ -182,7 +198,11 @@ def stage(name: str):
 
 
 def _timed_collate(log: SpanLog, fn, batch):
+    global _unwritten
     row = activate(log)
+    if _unwritten is not None:  # the spans of this batch's samples, read from an iterator
+        _unwritten.write()
+        _unwritten = None
     start = time.monotonic_ns()
     out = fn(batch)
     log.write(row, _COLLATE, start, time.monotonic_ns(),
@@ -212,6 +232,22 @@ class TimedDataset(torch.utils.data.Dataset):
         item = self._inner[index]
         log.write(row, _SAMPLE, start, time.monotonic_ns())
         return item
+
+    def __getitems__(self, indices):
+        # torch's fetcher takes a batch through here: its sample spans go in one write
+        log, inner = self._log, self._inner
+        row = activate(log)
+        if self._marks_samples:
+            return [inner[index] for index in indices]
+        clock = time.monotonic_ns
+        stamps, items = [clock()], []
+        try:
+            for index in indices:
+                items.append(inner[index])
+                stamps.append(clock())
+        finally:
+            log.write_spans(row, _SAMPLE, stamps[:-1], stamps[1:])
+        return items
 
     def __getattr__(self, name):  # the user's dataset attributes stay reachable
         if name in ("_inner", "_log", "_marks_samples"):
@@ -252,22 +288,38 @@ class TimedIterableDataset(torch.utils.data.IterableDataset):
 
 class _TimedIterator:
     """The dataset's iterator, each next() a "sample" span; its own attributes (a resumable
-    stream's state_dict) stay reachable."""
+    stream's state_dict) stay reachable. Spans are written a batch at a time (at collate, at
+    the iterator's end, or every 64 samples), as TimedDataset's __getitems__ does."""
 
     def __init__(self, it, log: SpanLog, row: int):
         self._it, self._log, self._row = it, log, row
+        self._starts, self._ends = [], []
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        global _unwritten
         start = time.monotonic_ns()
-        item = next(self._it)
-        self._log.write(self._row, _SAMPLE, start, time.monotonic_ns())
+        try:
+            item = next(self._it)
+        except BaseException:  # StopIteration included
+            self.write()
+            raise
+        self._starts.append(start)
+        self._ends.append(time.monotonic_ns())
+        if len(self._starts) >= 64:
+            self.write()
+        else:
+            _unwritten = self
         return item
 
+    def write(self) -> None:
+        self._log.write_spans(self._row, _SAMPLE, self._starts, self._ends)
+        self._starts, self._ends = [], []
+
     def __getattr__(self, name):
-        if name in ("_it", "_log", "_row"):
+        if name in ("_it", "_log", "_row", "_starts", "_ends"):
             raise AttributeError(name)
         return getattr(self._it, name)
 
@@ -290,9 +342,19 @@ class TimedCollate:
 def wrap_dataset(dataset, log: SpanLog):
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return TimedIterableDataset(dataset, log)
-    if hasattr(dataset, "__getitems__"):
-        return TimedBatchDataset(dataset, log)
-    return TimedDataset(dataset, log)
+    if _fetched_item_by_item(dataset):
+        return TimedDataset(dataset, log)
+    return TimedBatchDataset(dataset, log)
+
+
+def _fetched_item_by_item(dataset) -> bool:
+    """Whether a batch of ``dataset`` is its items one by one, so that each can be timed: no
+    ``__getitems__``, or torch's ``Subset`` (``random_split``) over such a dataset, whose
+    ``__getitems__`` indexes its dataset item by item."""
+    if not getattr(dataset, "__getitems__", None):  # torch's fetcher skips a falsy one too
+        return True
+    return (type(dataset).__getitems__ is torch.utils.data.Subset.__getitems__
+            and _fetched_item_by_item(dataset.dataset))
 
 
 _proc_io: tuple[int, int] | None = None  # (pid, fd of its /proc/self/io)
