@@ -198,11 +198,9 @@ def stage(name: str):
 
 
 def _timed_collate(log: SpanLog, fn, batch):
-    global _unwritten
     row = activate(log)
     if _unwritten is not None:  # the spans of this batch's samples, read from an iterator
         _unwritten.write()
-        _unwritten = None
     start = time.monotonic_ns()
     out = fn(batch)
     log.write(row, _COLLATE, start, time.monotonic_ns(),
@@ -315,8 +313,11 @@ class _TimedIterator:
         return item
 
     def write(self) -> None:
+        global _unwritten
         self._log.write_spans(self._row, _SAMPLE, self._starts, self._ends)
         self._starts, self._ends = [], []
+        if _unwritten is self:  # the user's iterator is not kept alive for nothing
+            _unwritten = None
 
     def __getattr__(self, name):
         if name in ("_it", "_log", "_row", "_starts", "_ends"):
