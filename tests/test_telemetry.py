@@ -78,7 +78,8 @@ def test_a_random_split_times_each_sample_and_a_batched_fetch_stays_batched(load
     from _datasets import GetItemsDataset
 
     tm = Telemetry()
-    train, _ = torch.utils.data.random_split(Staged(24), [16, 8], generator=torch.Generator().manual_seed(0))
+    train, _ = torch.utils.data.random_split(Staged(24), [16, 8],
+                                             generator=torch.Generator().manual_seed(0))
     got = torch.cat(list(tm.watch(loader_cls(train, batch_size=4, num_workers=2))))
     assert sorted(got[:, 0].tolist()) == sorted(train.indices)
     m = tm.summary()["metrics"]
@@ -89,6 +90,16 @@ def test_a_random_split_times_each_sample_and_a_batched_fetch_stays_batched(load
     watched = list(Telemetry().watch(loader_cls(batched, batch_size=2, num_workers=2)))
     assert [b["via"] for b in watched] == [b["via"] for b in plain] == [["getitems"] * 2] * 2
     assert all(torch.equal(w["x"], p["x"]) for w, p in zip(watched, plain))
+
+
+def test_two_sessions_watching_one_loader_each_time_every_sample(loader_cls):
+    loader = loader_cls(Staged(8), batch_size=4, num_workers=2)
+    first, second = Telemetry(), Telemetry()
+    first.watch(loader)
+    for _ in second.watch(loader):
+        pass
+    for session in (first, second):
+        assert session.summary()["metrics"]["sample_s"]["count"] == 8
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -114,7 +125,8 @@ def test_spans_written_together_keep_their_order_and_count_what_the_ring_lost():
     log.write(1, 2, 40, 41, 7)
     log.write_spans(1, 0, list(range(100, 120)), list(range(200, 220)))  # more than 8 at once
     rest = log.drain()
-    assert rest[:, 2].tolist() == list(range(112, 120)) and rest[:, 3].tolist() == list(range(212, 220))
+    assert rest[:, 2].tolist() == list(range(112, 120))
+    assert rest[:, 3].tolist() == list(range(212, 220))
     assert log.dropped == 13  # the single write and the first 12 of the 20
     log.write_spans(1, 0, [], [])
     assert len(log.drain()) == 0

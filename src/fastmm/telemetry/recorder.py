@@ -354,6 +354,8 @@ def _fetched_item_by_item(dataset) -> bool:
     ``__getitems__`` indexes its dataset item by item."""
     if not getattr(dataset, "__getitems__", None):  # torch's fetcher skips a falsy one too
         return True
+    if type(dataset) is TimedDataset:  # watched by another session as well
+        return True
     return (type(dataset).__getitems__ is torch.utils.data.Subset.__getitems__
             and _fetched_item_by_item(dataset.dataset))
 
