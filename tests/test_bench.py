@@ -286,6 +286,31 @@ def test_a_target_is_judged_by_the_interval_not_the_median():
     assert stats.verdict(None, 1.0) is None
 
 
+def test_a_memory_target_not_met_at_full_speed_names_its_known_cause():
+    from fastmm.bench import report
+
+    def case(verdict, torch_rate, fastmm_rate):
+        mib = 2**20
+        condition = {
+            "ratio_over_baseline_fastmm_over_torch": 2.2, "verdict": verdict,
+            "verdict_on_total": verdict, "paired_ratios_over_baseline": None,
+            "torch_peak_total_pss_bytes": 900 * mib, "torch_peak_pss_over_baseline_bytes": 200 * mib,
+            "fastmm_peak_total_pss_bytes": 1100 * mib,
+            "fastmm_peak_pss_over_baseline_bytes": 440 * mib,
+            "torch_samples_per_s": torch_rate, "fastmm_samples_per_s": fastmm_rate,
+            "torch_peak_shmem_over_baseline_bytes": 300 * mib,
+            "fastmm_peak_shmem_over_baseline_bytes": 440 * mib}
+        return {"summary": {"memory": {"paced_step_s": None, "max_throughput": condition}}}
+
+    (note,) = report._memory_notes(case("NOT met", 500.0, 4500.0))
+    assert "known cause: flat out (fastmm's loop 9.0x torch's here)" in note
+    assert "FASTMM_SLAB_MEMORY=lean" in note
+    for verdict, rates in (("met", (500.0, 4500.0)), ("NOT met", (500.0, 450.0)),
+                           ("NOT met", (None, 4500.0))):
+        (note,) = report._memory_notes(case(verdict, *rates))
+        assert "known cause" not in note
+
+
 def test_a_repetition_waits_for_the_last_loaders_workers_not_for_multiprocessing_helpers():
     """Each repetition starts once the last one's workers are gone; multiprocessing's resource
     tracker (started by shared memory, as Mosaic Streaming's arm does) lives on and is not

@@ -196,6 +196,12 @@ def _memory_notes(case: dict) -> list[str]:
         if None not in shm:
             text += (f"; machine-wide shared memory (Shmem, incl. segments no process maps) peak "
                      f"over idle: torch +{_mib(shm[0])} MiB, fastmm +{_mib(shm[1])} MiB")
+        if key == "max_throughput" and c["verdict"] not in ("met", None) and None not in rates \
+                and rates[1] > rates[0]:
+            text += (f"; known cause: flat out (fastmm's loop {rates[1] / rates[0]:.1f}x torch's "
+                     "here) each worker keeps its prefetch_factor + 1 slabs mapped, where torch's "
+                     "queued batches are mapped by no process; FASTMM_SLAB_MEMORY=lean trades "
+                     "speed for torch's peak (docs/loader.md, \"Shared memory it needs\")")
         notes.append(text)
     return notes
 
