@@ -130,6 +130,10 @@ def test_spans_written_together_keep_their_order_and_count_what_the_ring_lost():
     assert log.dropped == 13  # the single write and the first 12 of the 20
     log.write_spans(1, 0, [], [])
     assert len(log.drain()) == 0
+    log.write_spans(1, 1, [300, 301, 302, 303, 304, 305], [400, 401, 402, 403, 404, 405])
+    log.write(0, 4, 7, 8, 256)  # ring slots 4..7 then 0..1: two slices, in order
+    assert log.drain().tolist() == [[0, 4, 7, 8, 256]] + [
+        [1, 1, 300 + i, 400 + i, 0] for i in range(6)]
 
 
 class Fast(Dataset):

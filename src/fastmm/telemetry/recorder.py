@@ -75,19 +75,33 @@ class SpanLog:
         _COUNT.pack_into(self._bytes, head, n + 1)  # published after the record (x86 order)
 
     def write_spans(self, row: int, code: int, starts, ends) -> None:
-        """Many spans in one call: a batch's samples cost ~0.1 us each this way, against
-        ~0.6 us for a write() per sample."""
+        """Many spans in one call, written as array slices: ~0.02 us a span, against ~0.6 us
+        for a write() each."""
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         n = len(starts)
         if n == 0:
             return
         count = int(self._view[row, 0])
-        keep = min(n, self.capacity)  # more than the ring holds: the oldest are overwritten
-        records = self._view[row, 1:].reshape(self.capacity, _FIELDS)
-        slots = (count + n - keep + np.arange(keep)) % self.capacity
-        records[slots] = np.column_stack([
-            np.full(keep, code, dtype=np.int64), np.asarray(starts[n - keep:], dtype=np.int64),
-            np.asarray(ends[n - keep:], dtype=np.int64), np.zeros(keep, dtype=np.int64)])
+        done = n - min(n, self.capacity)  # more than the ring holds: the oldest are overwritten
+        records = self._records(row)
+        for first, stop in self._slots(count + done, count + n):
+            part, m = records[first:stop], stop - first
+            part[:, 0], part[:, 3] = code, 0
+            part[:, 1], part[:, 2] = starts[done:done + m], ends[done:done + m]
+            done += m
         self._view[row, 0] = count + n  # published after the records (x86 order)
+
+    def _records(self, row: int) -> np.ndarray:
+        return self._view[row, 1:].reshape(self.capacity, _FIELDS)
+
+    def _slots(self, first: int, stop: int) -> list[tuple[int, int]]:
+        """Records ``first`` to ``stop`` of a row (counted from its start) as at most two
+        slices of its ring."""
+        start = first % self.capacity
+        end = start + stop - first
+        if end <= self.capacity:
+            return [(start, end)]
+        return [(start, self.capacity), (0, end - self.capacity)]
 
     def note_reads(self, row: int, first: bool = False, chars: int | None = None) -> None:
         """Publish a read counter in its row (``first``: a new process starts recording): this
@@ -107,26 +121,29 @@ class SpanLog:
 
     def drain(self) -> np.ndarray:
         """New records since the last drain, as rows of (process row, stage, start, end, value)."""
-        out = []
-        rows = self._view
+        blocks = []
         for row in range(self.rows):
-            written = int(rows[row, 0])
+            written = int(self._view[row, 0])
             start = self._drained[row]
             if written == start:
                 continue
             if written - start > self.capacity:  # the writer lapped us: the oldest are gone
                 self.dropped += written - start - self.capacity
                 start = written - self.capacity
-            idx = np.arange(start, written) % self.capacity
-            recs = rows[row, 1:].reshape(self.capacity, _FIELDS)[idx].copy()
-            lapped = int(rows[row, 0]) - self.capacity  # records overwritten while we copied
+            records = self._records(row)
+            recs = np.concatenate([records[a:b] for a, b in self._slots(start, written)])
+            lapped = int(self._view[row, 0]) - self.capacity  # overwritten while we copied
             if lapped > start:
-                keep = np.arange(start, written) >= lapped
-                self.dropped += int((~keep).sum())
-                recs = recs[keep]
+                self.dropped += min(lapped, written) - start
+                recs = recs[min(lapped, written) - start:]
             self._drained[row] = written
-            out.append(np.column_stack([np.full(len(recs), row, dtype=np.int64), recs]))
-        return np.concatenate(out) if out else np.empty((0, 5), dtype=np.int64)
+            blocks.append((row, recs))
+        out = np.empty((sum(len(r) for _, r in blocks), 5), dtype=np.int64)
+        at = 0
+        for row, recs in blocks:
+            out[at:at + len(recs), 0], out[at:at + len(recs), 1:] = row, recs
+            at += len(recs)
+        return out
 
     def __getstate__(self):
         # Shared with workers as they start (fork or spawn); any other pickle gets a fresh log.
@@ -244,6 +261,7 @@ class TimedDataset(torch.utils.data.Dataset):
                 items.append(inner[index])
                 stamps.append(clock())
         finally:
+            stamps = np.array(stamps, dtype=np.int64)
             log.write_spans(row, _SAMPLE, stamps[:-1], stamps[1:])
         return items
 
