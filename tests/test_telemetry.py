@@ -136,6 +136,109 @@ def test_spans_written_together_keep_their_order_and_count_what_the_ring_lost():
         [1, 1, 300 + i, 400 + i, 0] for i in range(6)]
 
 
+
+class Quick(Dataset):
+    """Samples of well under a microsecond: timing each one alone would cost a visible share."""
+
+    def __len__(self):
+        return 10**6
+
+    def __getitem__(self, i):
+        return i
+
+
+class Spin(Dataset):
+    """Each sample keeps a CPU busy for ``seconds`` (a sleep would give the core away)."""
+
+    def __init__(self, seconds: float, n: int = 10**6):
+        self.seconds, self.n = seconds, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            pass
+        return torch.tensor(i)
+
+
+def _batches_of_spans(spans, batch_size: int) -> list[list[tuple[int, int, int, int]]]:
+    """Sample spans (start, end, value) cut into batches by the samples they cover."""
+    batches, current, covered = [], [], 0
+    for _, _, start, end, value in spans.tolist():
+        current.append((start, end, value))
+        covered += value or 1
+        if covered == batch_size:
+            batches.append(current)
+            current, covered = [], 0
+    assert not current
+    return batches
+
+
+@pytest.mark.parametrize("dataset, alone", [(Quick(), "some"), (Spin(0.0002), "all")])
+def test_a_batch_times_its_samples_alone_while_that_is_cheap_and_the_rest_as_runs(dataset, alone):
+    from fastmm.telemetry.recorder import SpanLog, TimedDataset
+
+    log = SpanLog(rows=2)
+    timed = TimedDataset(dataset, log)
+    size = 256 if alone == "some" else 32
+    for k in range(4):
+        indices = list(range(k * size, (k + 1) * size))
+        assert [int(x) for x in timed.__getitems__(indices)] == indices
+    batches = _batches_of_spans(log.drain(), size)
+    assert len(batches) == 4
+    firsts = []
+    for k, spans in enumerate(batches):
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gap: every sample's time
+        alone_at = [i for i, (_, _, value) in enumerate(spans) if value == 0]
+        if alone == "all" or k == 0:
+            assert len(alone_at) == size
+        else:  # at least 8, in one block that starts after the previous batch's
+            assert 8 <= len(alone_at) < size and alone_at == list(range(alone_at[0],
+                                                                        alone_at[-1] + 1))
+            firsts.append(sum(v for _, _, v in spans[:alone_at[0]]))
+    assert alone == "all" or firsts == sorted(set(firsts))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_quick_samples_timed_in_runs_still_count_in_the_pipeline_rate(loader_cls, workers):
+    """5 us samples in batches of 256: most are timed in runs, which the pipeline's busy time
+    counts (without them samples_per_s would come out several times what a worker can do)."""
+    tm = Telemetry()
+    loader = loader_cls(Spin(5e-6), batch_size=256, num_workers=workers)
+    for i, _ in enumerate(tm.watch(loader)):
+        if i == 40:
+            break
+    m = tm.summary()["metrics"]
+    assert 40 * 8 <= m["sample_s"]["count"] < 40 * 256
+    assert m["sample_s"]["p50"] >= 5e-6
+    rate_bound = max(1, workers) / m["sample_s"]["mean"]  # what workers fetching nonstop make
+    assert m["samples_per_s"] <= 1.25 * rate_bound, (m["samples_per_s"], rate_bound)
+
+
+class SlowBatches(Dataset):
+    """Fetches a batch at once (``__getitems__``), 2 ms a sample."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices):
+        time.sleep(0.002 * len(indices))
+        return [torch.tensor(i) for i in indices]
+
+
+def test_a_dataset_that_fetches_its_batch_at_once_counts_in_the_pipeline_rate(loader_cls):
+    tm = Telemetry()
+    assert len(list(tm.watch(loader_cls(SlowBatches(), batch_size=8, num_workers=2)))) == 8
+    m = tm.summary()["metrics"]
+    assert m["sample_s"] is None  # one call per batch: no sample is timed alone
+    assert 2 / 0.002 / 2 <= m["samples_per_s"] <= 2 / 0.002, m["samples_per_s"]
+
+
 class Fast(Dataset):
     def __len__(self):
         return 40
@@ -210,6 +313,25 @@ def test_worker_memory_is_the_memory_it_touched(loader_cls):
         if name != "worker_rss_bytes":  # RSS also grows as a new worker touches what it shares
             assert grown <= (Allocates.MIB + 24) << 20, (name, grown)
     assert m["total_pss_bytes"]["max"] >= m["main_pss_bytes"]["max"] + (Allocates.MIB << 20)
+
+
+def test_pss_is_swept_once_workers_have_run_a_while_or_once_at_the_end():
+    """A PSS sweep walks every page table of every process (~13 ms a torch process): none at
+    the start, then every pss_interval_s; a sampler stopped sooner sweeps once, at its end."""
+    from fastmm.telemetry.sampler import Sampler
+
+    for pss_interval_s, run_s in ((10.0, 0.15), (0.1, 0.35)):
+        rows = []
+        sampler = Sampler(lambda: [], 0.02, pss_interval_s, None, rows.append)
+        sampler.start()
+        time.sleep(run_s)
+        sampler.stop()
+        swept = [row["t_s"] for row in rows if "pss_bytes" in row]
+        assert len(rows) >= 4 and swept[0] >= min(pss_interval_s, run_s), (swept, len(rows))
+        if pss_interval_s > run_s:
+            assert swept == [rows[-1]["t_s"]]
+        else:
+            assert len(swept) >= 2 and all(b - a >= pss_interval_s for a, b in zip(swept, swept[1:]))
 
 
 class Reads(Dataset):

@@ -2,7 +2,8 @@
 side by side, for torch's DataLoader and fastmm's, on the image pipelines of
 ``fastmm.bench.pipelines`` (decode-bound, 2 workers) and on a transport-bound dataset (tiny
 samples, so per-sample and per-batch overhead shows). Repetitions interleaved after a warm-up;
-medians with min-max and paired ratios to "off". Run:
+medians with min-max and paired ratios to "off", for the rate and for the CPU time all the
+loader's processes spend per sample. Run:
 ``python -m fastmm.bench.telemetry_cost --out DIR`` (``--quick`` for a smoke run).
 """
 
@@ -94,14 +95,17 @@ def run(args) -> dict:
                 figs.setdefault(f"{loader} {mode}", []).append(
                     rep(loader, mode, args.min_seconds, r))
         rates = {n: [f["samples_per_s"] for f in fs] for n, fs in figs.items()}
+        # CPU time of the whole process tree per sample: what telemetry adds, less swayed by
+        # a noisy machine than the rate is
+        cpu = {n: [f["tree_cpu_s"] / f["samples"] * 1e6 for f in fs] for n, fs in figs.items()}
         out["cases"][case] = {
             "batch_size": batch, "num_workers": args.num_workers,
             "arms": {n: stats.summarize(v) for n, v in rates.items()},
-            "on_over_off": {
-                f"{loader} {mode}": stats.summarize(stats.paired_ratios(
-                    rates[f"{loader} {mode}"], rates[f"{loader} off"]))
-                for loader in loaders for mode in MODES[1:]
-            },
+            "cpu_us_per_sample": {n: stats.summarize(v) for n, v in cpu.items()},
+            **{key: {f"{loader} {mode}": stats.summarize(stats.paired_ratios(
+                       figure[f"{loader} {mode}"], figure[f"{loader} off"]))
+                     for loader in loaders for mode in MODES[1:]}
+               for key, figure in (("on_over_off", rates), ("cpu_on_over_off", cpu))},
         }
     return out
 
@@ -115,6 +119,11 @@ def report(result: dict) -> str:
             ratio = c["on_over_off"].get(name)
             extra = f"   {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else ""
             lines.append(f"  {name:16s} {s['median']:10.1f} [{s['min']:.1f}-{s['max']:.1f}]{extra}")
+        lines.append("  CPU us per sample, all processes (on / off paired)")
+        for name, s in c["cpu_us_per_sample"].items():
+            ratio = c["cpu_on_over_off"].get(name)
+            extra = f"   {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else ""
+            lines.append(f"  {name:16s} {s['median']:10.3f} [{s['min']:.3f}-{s['max']:.3f}]{extra}")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """A thread that samples the loader's processes and the host: memory, CPU, reads, network, GPU.
 
 Cheap figures (RSS, CPU times, read counters, host memory) every ``interval_s``; PSS and USS,
-which make the kernel walk every page table of a process (~9 ms for a torch process here), every
-``pss_interval_s``. Bytes read are counted by the processes themselves (recorder.py). psutil
+which make the kernel walk every page table of a process (~9-13 ms for a torch process here),
+every ``pss_interval_s`` from ``pss_interval_s`` after the start (or once at the end, for a
+sampler stopped sooner). Bytes read are counted by the processes themselves (recorder.py). psutil
 does the reading; NVML (nvidia-ml-py) the GPU, when present.
 """
 
@@ -60,7 +61,10 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fastmm-telemetry", daemon=True)
         self._t0 = time.monotonic()
-        self._next_pss = 0.0
+        # the first PSS sweep once workers have run a while (a sweep costs ~13 ms a torch
+        # process); one that ends sooner gets its sweep at the end
+        self._next_pss = self._t0 + pss_interval_s
+        self._pss_taken = False
 
     def start(self) -> None:
         self._thread.start()
@@ -90,9 +94,10 @@ class Sampler:
         for pid in [p for p in self._procs if p not in pids]:  # a worker that ended
             self._procs.pop(pid)
             self._last_cpu.pop(pid, None)
-        with_pss = now >= self._next_pss or final
+        with_pss = now >= self._next_pss or (final and not self._pss_taken)
         if with_pss:
             self._next_pss = now + self.pss_interval_s
+            self._pss_taken = True
         row = {"t_s": now - self._t0, "t_ns": time.monotonic_ns(), "pids": pids,
                "rss_bytes": [], "cpu_percent": []}
         if with_pss:

@@ -23,7 +23,7 @@ import torch
 
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, Distribution
-from .recorder import STAGES, SpanLog, TimedCollate, deactivate, rchar, wrap_dataset
+from .recorder import _SAMPLE, STAGES, SpanLog, TimedCollate, deactivate, rchar, wrap_dataset
 from .sampler import Sampler
 
 
@@ -66,6 +66,7 @@ class Telemetry:
         self._t0_ns = time.monotonic_ns()
         self._spans: list = []  # drained worker/main spans (numpy blocks), with trace only
         self._stages = {name: Distribution() for name in STAGES}
+        self._sample_runs_s = 0.0  # samples fetched together, timed as one (recorder.py)
         self._loop = {k: Distribution() for k in (
             "queue_wait_s", "step_s", "first_batch_s", "epoch_start_s", "h2d_s")}
         self._loop_events: list[tuple[str, int, int]] = []  # (name, start ns, end ns) for trace
@@ -147,8 +148,10 @@ class Telemetry:
             if self.trace:
                 self._spans.append(block)
             seconds = (block[:, 3] - block[:, 2]) / 1e9
+            runs = (block[:, 1] == _SAMPLE) & (block[:, 4] > 0)  # samples timed together
+            self._sample_runs_s += float(seconds[runs].sum())
             for code, name in enumerate(STAGES):
-                self._stages[name].extend(seconds[block[:, 1] == code])
+                self._stages[name].extend(seconds[(block[:, 1] == code) & ~runs])
         self._resolve_gpu(wait=False)
 
     def _epoch(self, loader, iterate):
@@ -221,7 +224,8 @@ class Telemetry:
         if self._epoch_since_ns is not None:
             wall_s += (time.monotonic_ns() - self._epoch_since_ns) / 1e9
         workers = getattr(self.loader, "num_workers", 0) if self.loader is not None else 0
-        busy_s = (self._stages["sample"].total + self._stages["collate"].total) / max(1, workers)
+        busy_s = (self._stages["sample"].total + self._sample_runs_s
+                  + self._stages["collate"].total) / max(1, workers)
         if not workers:
             busy_s = self._loop["queue_wait_s"].total
         if busy_s > 0:
