@@ -137,6 +137,25 @@ def test_spans_written_together_keep_their_order_and_count_what_the_ring_lost():
 
 
 
+def test_an_epoch_the_loop_lets_go_of_ends_its_workers_as_unwatched(loader_cls):
+    """torch's iterator shuts its workers down when it is collected; the session must not
+    keep it (and them) alive until the next epoch."""
+    import gc
+
+    import psutil
+
+    tm = Telemetry()
+    epoch = iter(tm.watch(loader_cls(Fast(), batch_size=4, num_workers=2)))
+    next(epoch)
+    workers = [psutil.Process(pid) for pid in tm._workers()]
+    assert len(workers) == 2
+    epoch.close()
+    del epoch
+    gc.collect()
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+
+
 class Quick(Dataset):
     """Samples of well under a microsecond: timing each one alone would cost a visible share."""
 

@@ -19,7 +19,8 @@ METRICS: dict[str, str] = {
     "epoch_start_s": "per epoch: time iter(loader) took (starting workers)",
     "queue_wait_s": "per batch: the loop blocked in next() waiting for it",
     "step_s": "per batch: time between consecutive batches handed to the loop",
-    "sample_s": "per sample: the dataset's __getitem__ (or next() of an iterable dataset)",
+    "sample_s": "per sample: the dataset's __getitem__ (or next() of an iterable dataset); "
+                "of quick samples, those timed alone",
     "read_s": "per sample: storage reads the dataset marked as stage('read')",
     "decode_s": "per sample: decoding the dataset marked as stage('decode')",
     "augment_s": "per sample: transforms the dataset marked as stage('augment')",

@@ -197,6 +197,8 @@ class Telemetry:
             self._wall_s += (time.monotonic_ns() - t_iter) / 1e9
             self._epoch_since_ns = None
             self._stop_sampler()
+            if self._iterator is it:  # its workers go when the loop lets go of it, as unwatched
+                self._iterator = None
 
     # -- the loop's own marks ----------------------------------------------------------------
 
