@@ -236,6 +236,25 @@ def test_quick_samples_timed_in_runs_still_count_in_the_pipeline_rate(loader_cls
     assert m["samples_per_s"] <= 1.25 * rate_bound, (m["samples_per_s"], rate_bound)
 
 
+class AnyIterableBatches:
+    """A batch sampler yielding batches as iterables of every kind torch's fetcher takes."""
+
+    def __iter__(self):
+        return iter([iter([0, 1, 2]), (i for i in [3, 4]), range(5, 8), {8, 9},
+                     np.array([10, 11]), torch.tensor([12, 13])])
+
+    def __len__(self):
+        return 6
+
+
+def test_a_batch_sampler_may_yield_any_iterable_watched_or_not(loader_cls):
+    dataset = Staged(14)
+    plain = list(loader_cls(dataset, batch_sampler=AnyIterableBatches()))
+    watched = list(Telemetry().watch(loader_cls(dataset, batch_sampler=AnyIterableBatches())))
+    assert [b[:, 0].tolist() for b in watched] == [b[:, 0].tolist() for b in plain] == [
+        [0, 1, 2], [3, 4], [5, 6, 7], [8, 9], [10, 11], [12, 13]]
+
+
 class SlowBatches(Dataset):
     """Fetches a batch at once (``__getitems__``), 2 ms a sample."""
 

@@ -266,6 +266,8 @@ class TimedDataset(torch.utils.data.Dataset):
         row = activate(log)
         if self._marks_samples:
             return [inner[index] for index in indices]
+        if not isinstance(indices, (list, tuple)):  # a batch sampler may yield any iterable
+            indices = list(indices)
         n = len(indices)
         timed = min(n, self._timed_per_batch)
         first = self._first_timed % n if timed < n else 0
@@ -307,11 +309,12 @@ class TimedBatchDataset(TimedDataset):
         row = activate(log)
         if self._marks_samples:
             return self._inner.__getitems__(indices)
+        samples = max(1, len(indices) if hasattr(indices, "__len__") else 1)  # a run, always
         start = time.monotonic_ns()
         try:
             return self._inner.__getitems__(indices)
         finally:
-            log.write(row, _SAMPLE, start, time.monotonic_ns(), len(indices))
+            log.write(row, _SAMPLE, start, time.monotonic_ns(), samples)
 
 
 class TimedIterableDataset(torch.utils.data.IterableDataset):
