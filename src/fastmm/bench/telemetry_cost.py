@@ -98,14 +98,17 @@ def run(args) -> dict:
         # CPU time of the whole process tree per sample: what telemetry adds, less swayed by
         # a noisy machine than the rate is
         cpu = {n: [f["tree_cpu_s"] / f["samples"] * 1e6 for f in fs] for n, fs in figs.items()}
+
+        def on_over_off(figure: dict) -> dict:
+            return {f"{loader} {mode}": stats.summarize(stats.paired_ratios(
+                        figure[f"{loader} {mode}"], figure[f"{loader} off"]))
+                    for loader in loaders for mode in MODES[1:]}
+
         out["cases"][case] = {
             "batch_size": batch, "num_workers": args.num_workers,
             "arms": {n: stats.summarize(v) for n, v in rates.items()},
             "cpu_us_per_sample": {n: stats.summarize(v) for n, v in cpu.items()},
-            **{key: {f"{loader} {mode}": stats.summarize(stats.paired_ratios(
-                       figure[f"{loader} {mode}"], figure[f"{loader} off"]))
-                     for loader in loaders for mode in MODES[1:]}
-               for key, figure in (("on_over_off", rates), ("cpu_on_over_off", cpu))},
+            "on_over_off": on_over_off(rates), "cpu_on_over_off": on_over_off(cpu),
         }
     return out
 
@@ -115,16 +118,19 @@ def report(result: dict) -> str:
     for case, c in result["cases"].items():
         lines.append(f"{case}: batch {c['batch_size']}, {c['num_workers']} workers "
                      "(samples/s median [min-max]; on / off paired per repetition)")
-        for name, s in c["arms"].items():
-            ratio = c["on_over_off"].get(name)
-            extra = f"   {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else ""
-            lines.append(f"  {name:16s} {s['median']:10.1f} [{s['min']:.1f}-{s['max']:.1f}]{extra}")
+        lines += _arm_lines(c["arms"], c["on_over_off"], ".1f")
         lines.append("  CPU us per sample, all processes (on / off paired)")
-        for name, s in c["cpu_us_per_sample"].items():
-            ratio = c["cpu_on_over_off"].get(name)
-            extra = f"   {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else ""
-            lines.append(f"  {name:16s} {s['median']:10.3f} [{s['min']:.3f}-{s['max']:.3f}]{extra}")
+        lines += _arm_lines(c["cpu_us_per_sample"], c["cpu_on_over_off"], ".3f")
     return "\n".join(lines)
+
+
+def _arm_lines(arms: dict, ratios: dict, fmt: str) -> list[str]:
+    lines = []
+    for name, s in arms.items():
+        ratio = ratios.get(name)
+        extra = f"   {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]" if ratio else ""
+        lines.append(f"  {name:16s} {s['median']:10{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]{extra}")
+    return lines
 
 
 def main(argv=None) -> int:

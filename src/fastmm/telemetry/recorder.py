@@ -274,19 +274,20 @@ class TimedDataset(torch.utils.data.Dataset):
         self._first_timed = first + timed
         clock = time.monotonic_ns
         stamps, counts, items = [clock()], [], []
-        try:
-            if first:
-                items += [inner[index] for index in indices[:first]]
+
+        def run(part):  # samples timed together: one span, its value their number
+            if part:
+                items.extend([inner[index] for index in part])
                 stamps.append(clock())
-                counts.append(first)
+                counts.append(len(part))
+
+        try:
+            run(indices[:first])
             for index in indices[first:first + timed]:
                 items.append(inner[index])
                 stamps.append(clock())
                 counts.append(0)
-            if first + timed < n:
-                items += [inner[index] for index in indices[first + timed:]]
-                stamps.append(clock())
-                counts.append(n - first - timed)
+            run(indices[first + timed:])
         finally:
             stamps = np.array(stamps, dtype=np.int64)
             log.write_spans(row, _SAMPLE, stamps[:-1], stamps[1:], counts)
@@ -309,7 +310,7 @@ class TimedBatchDataset(TimedDataset):
         row = activate(log)
         if self._marks_samples:
             return self._inner.__getitems__(indices)
-        samples = max(1, len(indices) if hasattr(indices, "__len__") else 1)  # a run, always
+        samples = max(1, len(indices)) if hasattr(indices, "__len__") else 1  # a run, always
         start = time.monotonic_ns()
         try:
             return self._inner.__getitems__(indices)
