@@ -2,8 +2,8 @@
 
 Each case (a workload at one batch size) has arms: the two loaders, plus in-process reference
 arms that bound what a loader can reach on this machine. Every arm runs once untimed (warm-up),
-then ``--reps`` times interleaved (torch, fastmm, references, torch, fastmm, ...), each time with
-a fresh DataLoader; then ``--mem-reps`` rounds of loader repetitions with the PSS sampler on:
+then ``--reps`` rounds of every arm, each round starting one arm later (torch, fastmm,
+references; fastmm, references, torch; ...), each time with a fresh DataLoader; then ``--mem-reps`` rounds of loader repetitions with the PSS sampler on:
 torch and fastmm at full speed, then torch and fastmm paced (every loop step lasts
 ``PACE_FACTOR`` x torch's median batch interval, so both are consumer-bound with full prefetch
 buffers). See ``benchmarks/README.md`` for what is measured and how to read it.
@@ -294,14 +294,14 @@ def run_case(case: Case, args) -> dict:
     for arm in case.arms:
         one(arm, "warmup", 0, args.warmup_seconds, False, "warm-up")
     for r in range(args.reps):
-        for arm in case.arms:
+        for arm in harness.rotated(case.arms, r):
             one(arm, "timed", r, args.min_seconds, False, f"rep {r + 1}/{args.reps}")
     step_s = pace_step_s(case.batch_size, reps["torch"])
     loaders = [arm for arm in case.arms if arm.kind == "loader"]
     for r in range(args.mem_reps):
-        for arm in loaders:
+        for arm in harness.rotated(loaders, r):
             one(arm, "memory", r, args.min_seconds, True, f"mem {r + 1}/{args.mem_reps}")
-        for arm in loaders if step_s else []:
+        for arm in harness.rotated(loaders, r) if step_s else []:
             one(arm, "memory-paced", r, args.min_seconds, True, f"paced {r + 1}/{args.mem_reps}",
                 step_s=step_s)
     return {

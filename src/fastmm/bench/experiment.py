@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..telemetry import Telemetry
-from . import env, stats
+from . import env, harness, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, TorchImageDataset, _files, ensure_mmcorpus, media
@@ -281,7 +281,7 @@ def run(cfg: Config, args) -> dict:
     total = cfg.reps * len(arms)
     done, t0 = 0, time.perf_counter()
     for r in range(cfg.reps):
-        for name, settings in arms.items():
+        for name, settings in harness.rotated(list(arms.items()), r):
             trace = os.path.join(args.out, "traces", name) if r == 0 else None
             rep = run_rep(settings, cfg, root, order, cfg.data.get("seed", 0), step, trace)
             results[name].append(rep)
@@ -411,7 +411,8 @@ def report_markdown(result: dict, plots: dict[str, str] | None = None) -> str:
         f"{step['images_per_sample']} image(s) per sample at {step['image_resolution']} px, "
         f"video frames {step['video_frames']}, sync {step['distributed_sync']}; model compute "
         f"included: {step['compute']} ({step['compute_ms']} ms per micro-batch).",
-        f"- Method: {result['experiment']['reps']} interleaved repetitions per arm, "
+        f"- Method: {result['experiment']['reps']} interleaved repetitions per arm (each "
+        "round starting one arm later), "
         f"{result['experiment']['warmup_batches']} warm-up batches untimed, "
         f"{result['experiment']['batches']} timed; the same sample order and base seed in every "
         "run; medians with percentile-bootstrap 95% CIs; ratios paired per repetition.", "",

@@ -183,6 +183,14 @@ class PssSampler(threading.Thread):
         }
 
 
+def rotated(arms: list, round_index: int) -> list:
+    """The arms in the order round ``round_index`` runs them: each round starts one arm later,
+    so no arm always runs first (just after another's teardown, or at a quiet spell's start)
+    and a position effect falls on every arm alike."""
+    k = round_index % len(arms) if arms else 0
+    return arms[k:] + arms[:k]
+
+
 def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, probe_s: float = 0.5) -> dict:
     """Wait (up to ``max_wait_s``) until processes other than this benchmark use less than
     ``threshold_cores`` of CPU over a ``probe_s`` probe, so a repetition does not start while

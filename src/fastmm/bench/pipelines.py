@@ -30,8 +30,8 @@ typically writes, on the generated multimodal corpus, same output size, batch an
 
 Every arm's frame and crop choices come from the same random draws (ClipSpec, and torchvision's
 RandomResizedCrop order), so all arms do the same work; DALI's arm draws its own crops and
-order (the same area and aspect-ratio ranges as RandomResizedCrop's). Repetitions are interleaved (A B C A B C)
-after an untimed warm-up; figures are medians with min-max. Run:
+order (the same area and aspect-ratio ranges as RandomResizedCrop's). Repetitions are interleaved (A B C, B C A,
+C A B, ...) after an untimed warm-up; figures are medians with min-max. Run:
 ``python -m fastmm.bench.pipelines --out DIR`` (``--quick`` for a smoke run).
 """
 
@@ -460,7 +460,7 @@ def run(args) -> dict:
         for name in arms:
             rep(name, args.warmup_seconds, -1)
         for r in range(args.reps):
-            for name in arms:
+            for name in harness.rotated(list(arms), r):
                 figs[name].append(rep(name, args.min_seconds, r))
         rates = {n: [f["samples_per_s"] for f in fs] for n, fs in figs.items()}
         base = next(iter(arms))

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..telemetry import Telemetry
-from . import env, stats
+from . import env, harness, stats
 from .corpus import default_cache_dir
 from .experiment import ModelStep
 from .mmcorpus import CorpusSpec
@@ -146,7 +146,7 @@ def run(args) -> dict:
     order = order[:need]
     results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
     for r in range(args.reps):
-        for arm, compute in arms:
+        for arm, compute in harness.rotated(list(arms), r):
             fig = run_arm(arm, compute, paths, args, order)
             results[f"{arm} / model {compute}"].append(fig)
             print(f"[gpu-decode] rep {r + 1}/{args.reps} {arm} / model {compute}: "

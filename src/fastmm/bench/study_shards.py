@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from . import env, stats
+from . import env, harness, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
@@ -191,7 +191,7 @@ def run(args) -> dict:
         names = list(where)
         # interleaved: every layout once per round, each round starting one layout later
         plan = [(rep, name, where[name]) for rep in range(args.reps)
-                for name in names[rep % len(names):] + names[:rep % len(names)]]
+                for name in harness.rotated(names, rep)]
         for world in args.worlds:
             figures = run_job(plan, world, work, args)
             if "ready_s" in figures:

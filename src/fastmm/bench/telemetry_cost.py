@@ -91,7 +91,7 @@ def run(args) -> dict:
         for loader, mode in arms:
             rep(loader, mode, args.warmup_seconds, -1)
         for r in range(args.reps):
-            for loader, mode in arms:
+            for loader, mode in harness.rotated(arms, r):
                 figs.setdefault(f"{loader} {mode}", []).append(
                     rep(loader, mode, args.min_seconds, r))
         rates = {n: [f["samples_per_s"] for f in fs] for n, fs in figs.items()}
