@@ -2,9 +2,8 @@
 side by side, for torch's DataLoader and fastmm's, on the image pipelines of
 ``fastmm.bench.pipelines`` (decode-bound, 2 workers) and on a transport-bound dataset (tiny
 samples, so per-sample and per-batch overhead shows). Repetitions interleaved (each round
-starting one arm later) after a warm-up;
-medians with min-max and paired ratios to "off", for the rate and for the CPU time all the
-loader's processes spend per sample. Run:
+starting one arm later) after a warm-up; medians with min-max and paired ratios to "off", for
+the rate and for the CPU time all the loader's processes spend per sample. Run:
 ``python -m fastmm.bench.telemetry_cost --out DIR`` (``--quick`` for a smoke run).
 """
 
