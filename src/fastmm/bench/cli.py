@@ -3,8 +3,9 @@
 Each case (a workload at one batch size) has arms: the two loaders, plus in-process reference
 arms that bound what a loader can reach on this machine. Every arm runs once untimed (warm-up),
 then ``--reps`` rounds of every arm, each round starting one arm later (torch, fastmm,
-references; fastmm, references, torch; ...), each time with a fresh DataLoader; then ``--mem-reps`` rounds of loader repetitions with the PSS sampler on:
-torch and fastmm at full speed, then torch and fastmm paced (every loop step lasts
+references; fastmm, references, torch; ...), each time with a fresh DataLoader; then
+``--mem-reps`` rounds of loader repetitions with the PSS sampler on: torch and fastmm at full
+speed, then torch and fastmm paced (every loop step lasts
 ``PACE_FACTOR`` x torch's median batch interval, so both are consumer-bound with full prefetch
 buffers). See ``benchmarks/README.md`` for what is measured and how to read it.
 """

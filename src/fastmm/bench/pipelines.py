@@ -30,8 +30,9 @@ typically writes, on the generated multimodal corpus, same output size, batch an
 
 Every arm's frame and crop choices come from the same random draws (ClipSpec, and torchvision's
 RandomResizedCrop order), so all arms do the same work; DALI's arm draws its own crops and
-order (the same area and aspect-ratio ranges as RandomResizedCrop's). Repetitions are interleaved (A B C, B C A,
-C A B, ...) after an untimed warm-up; figures are medians with min-max. Run:
+order (the same area and aspect-ratio ranges as RandomResizedCrop's). Repetitions are
+interleaved (A B C, B C A, C A B, ...) after an untimed warm-up; figures are medians with
+min-max. Run:
 ``python -m fastmm.bench.pipelines --out DIR`` (``--quick`` for a smoke run).
 """
 

@@ -337,8 +337,8 @@ def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoad
         f"{env.get('loadavg_at_end', [float('nan')])[0]:.2f}.",
         "",
         f"Method: {st['reps']} timed repetitions per arm (window >= {st['min_seconds']} s, opened "
-        "after the first batch of every worker), interleaved in rounds that each start one arm later, "
-        "after one untimed warm-up; fresh DataLoader per repetition, built right after "
+        "after the first batch of every worker), interleaved in rounds that each start one arm "
+        "later, after one untimed warm-up; fresh DataLoader per repetition, built right after "
         f"torch.manual_seed({st['seed']}). Loop consumer: {CONSUMERS[st['consume']][1]}. Peak "
         f"PSS comes from {st['mem_reps']} extra repetition(s) per loader and condition with the "
         "PSS sampler on: at full speed (each loader as fast as it goes; a sweep every "
