@@ -175,6 +175,25 @@ def test_a_bad_stand_in_is_counted_once_at_its_own_index(corpus, tmp_path, num_w
         assert sum("'s3'" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_label_that_is_not_an_int64_is_a_bad_sample(tmp_path):
+    """A cls member is an integer (-1 for a sample without one); anything else would end the
+    run at int() or in the collate (past int64), or turn quietly into a wrong label."""
+    png = io.BytesIO()
+    Image.new("RGB", (40, 30), (9, 9, 9)).save(png, "PNG")
+    labels = [b" 7\n", b"-3", b"+4", b"--5", b"9" * 30, b"", b"9" * 5000, b"cat", b"\xd9\xa3",
+              b"12"]
+    write_shards([(f"s{i}", {"png": png.getvalue(), "cls": c}) for i, c in enumerate(labels)],
+                 str(tmp_path / "labels"))
+    skip = MultimodalDataset(str(tmp_path / "labels"), source="shards", size=8, on_error="skip")
+    got = [b["label"].tolist() for b in fastmm.DataLoader(skip, batch_size=5, num_workers=2)]
+    assert got == [[7, -3, 4], [-1, 12]]
+    assert skip.skipped == {"bad_label": 5}
+    strict = MultimodalDataset(str(tmp_path / "labels"), source="shards", size=8)
+    with pytest.raises(SourceError, match="bad_label: the cls member b'--5'") as e:
+        strict[3]
+    assert e.value.key == "s3" and ".tar:" in e.value.origin
+
+
 def test_missing_member_and_no_clip_spec_are_typed(corpus, tmp_path):
     out = tmp_path / "nomedia"
     write_shards([("a", {"txt": b"only text"})], str(out))

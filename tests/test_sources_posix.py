@@ -109,6 +109,33 @@ def test_manifest_bad_input_raise(tmp_path, tree):
         next(it)
 
 
+def test_a_manifest_line_that_is_not_utf8_or_nests_too_deep_is_one_bad_line(tmp_path, tree):
+    manifest = tmp_path / "tree" / "m.jsonl"
+    good = json.dumps({"key": "ok", "members": {"jpg": "b.jpg"}}).encode()
+    manifest.write_bytes(b"\n".join([good, b'{"key": "\xff\xfe", "members": {}}',
+                                      b"[" * 100_000, good.replace(b'"ok"', b'"ok2"')]) + b"\n")
+    src = PosixSource(str(manifest), on_error="skip")
+    assert src.keys() == ["ok", "ok2"]
+    assert src.skipped == {"bad_manifest": 2}
+    assert [p.origin.rsplit(":", 1)[1] for p in src.problems] == ["2", "3"]
+
+
+def test_a_member_that_is_not_a_regular_file_is_not_read(tmp_path):
+    """A FIFO would block its reader until a writer comes, a device never ends: neither is a
+    sample member, whatever its name says (max_member_bytes could not stop /dev/zero)."""
+    root = str(tmp_path / "t")
+    _write(root, "a.jpg", b"jpeg-a")
+    os.mkfifo(os.path.join(root, "b.jpg"))
+    os.symlink("/dev/zero", os.path.join(root, "c.jpg"))
+    src = PosixSource(root, on_error="skip")
+    assert src.read(0).members == {"jpg": b"jpeg-a"}
+    assert src.read(1).members == {} and src.read(2).members == {}
+    assert src.skipped == {"not_a_file": 2}
+    assert [s.key for s in src.iter_samples()] == ["a"]
+    with pytest.raises(SourceError, match="not_a_file: b.jpg is not a regular file"):
+        PosixSource(root).read(1)
+
+
 def test_required_and_duplicate_members(tmp_path):
     root = str(tmp_path / "t")
     for rel in ("k1.jpg", "k1.txt", "k2.jpg", "k3.jpg", "k3.JPG", "k3.txt"):

@@ -203,6 +203,23 @@ def test_a_shard_that_cannot_be_opened_is_reported(tmp_path):
     assert e.value.origin == paths[1]
 
 
+def test_a_shard_gone_after_it_was_indexed_is_reported_per_sample(tmp_path):
+    """Random access after the index was built: each sample of a shard that went since is an
+    "unreadable" bad sample (skipped and counted, or raised), not a bare FileNotFoundError."""
+    paths = write_shards([(f"s{i}", {"txt": b"x"}) for i in range(6)], str(tmp_path), max_count=2)
+    src, strict = ShardSource(paths, on_error="skip"), ShardSource(paths)
+    assert len(src) == len(strict) == 6  # indexed while the shard was there
+    os.unlink(paths[1])
+    assert [src.read(i).members for i in range(6)] == [{"txt": b"x"}] * 2 + [{}] * 2 + [
+        {"txt": b"x"}] * 2
+    assert src.skipped == {"unreadable": 2}
+    assert [p[:3] for p in src.problems] == [("unreadable", f"s{i}", f"{paths[1]}:{off}")
+                                             for i, off in ((2, 0), (3, 1024))]
+    with pytest.raises(SourceError, match="No such file") as e:
+        strict.read(3)
+    assert (e.value.reason, e.value.key) == ("unreadable", "s3")
+
+
 def test_missing_member_and_zero_byte_member(tmp_path):
     samples = [
         ("a", {"jpg": b"", "txt": b"zero-byte jpg"}),

@@ -276,6 +276,10 @@ def test_a_full_staging_disk_stops_the_run_instead_of_counting_samples(tmp_path)
         with pytest.raises(fastmm.StagingError, match="FASTMM_STAGE_DIR"):
             list(fastmm.DataLoader(ds, batch_size=2, num_workers=2))
         assert ds.skipped == {}
+    with private_tmpfs("128k") as stage:  # mode "before" finds out before copying
+        with pytest.raises(fastmm.StagingError, match="FASTMM_STAGE_DIR"):
+            fastmm.MultimodalDataset(str(remote), source="staged", stage_dir=stage,
+                                     mode="before", decoder="pil", size=8, on_error="skip")
 
 
 def _png_of_level(level: int) -> bytes:

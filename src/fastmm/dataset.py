@@ -46,7 +46,7 @@ VIDEO_EXTS = ("mp4", "webm", "mkv", "avi", "mov", "m4v")
 REASONS = (
     "empty", "corrupt", "too_large", "too_short", "no_video", "unsupported", "missing_member",
     "truncated", "unreadable", "unsafe_name", "bad_name", "bad_header", "not_a_file",
-    "duplicate_member", "bad_manifest", "size", "checksum", "deadline", "other",
+    "duplicate_member", "bad_manifest", "size", "checksum", "deadline", "bad_label", "other",
 )
 log = logging.getLogger("fastmm")
 
@@ -108,6 +108,19 @@ class ResizedCrop:
         else:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _label(member: bytes, key: str, origin: str) -> int:
+    """The ``cls`` member as an int, -1 for a sample without one. Anything else (a class name,
+    a number past int64, which no batch tensor could hold) is a bad sample, not a quiet -1."""
+    text = member.strip()
+    if not text:
+        return -1
+    digits = text[1:] if text[:1] in (b"-", b"+") else text
+    if digits.isdigit() and len(digits) <= 19 and -(1 << 63) <= int(text) < 1 << 63:
+        return int(text)
+    raise SourceError("bad_label", key, origin,
+                      f"the cls member {text[:40]!r} is not an integer in int64's range")
 
 
 def _column(reason: str) -> int:
@@ -494,8 +507,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
             e.origin = sample.origin  # a decode error names where the bytes came from too
             raise
         item["caption"] = sample.members.get("txt", b"").decode("utf-8", "replace")
-        label = sample.members.get("cls", b"").strip()
-        item["label"] = int(label) if label.lstrip(b"-").isdigit() else -1
+        item["label"] = _label(sample.members.get("cls", b""), key, sample.origin)
         if self.transform is None:
             return item
         with stage("augment"):

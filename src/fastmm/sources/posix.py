@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from typing import Callable, Iterator, Sequence
 
 from .base import (
@@ -110,7 +111,7 @@ class PosixSource(Source):
     def _scan_manifest(self):
         if self._before_open is not None:
             self._before_open(self.root)
-        with open(self.root, encoding="utf-8") as f:
+        with open(self.root, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -125,7 +126,7 @@ class PosixSource(Source):
                             isinstance(k, str) and isinstance(v, str) for k, v in members.items()
                         )
                     )
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, RecursionError):  # deep nesting
                     ok, key, members = False, "", {}
                 if not ok:
                     yield (key if isinstance(key, str) else ""), {}, origin, (
@@ -163,12 +164,11 @@ class PosixSource(Source):
                 try:
                     if self._before_open is not None:
                         self._before_open(path)
-                    with open(path, "rb") as f:
-                        size = os.fstat(f.fileno()).st_size
-                        if size > self.max_member_bytes:
-                            problem = ("too_large", f"{rel} is {size} bytes, over max_member_bytes")
-                            continue
-                        data[ext] = f.read()
+                    blob, found = self._read_member(path, rel)
+                    if found is None:
+                        data[ext] = blob
+                    else:
+                        problem = found
                 except SourceError as e:  # a staged copy that failed (staged source)
                     problem, origin = (e.reason, e.message), e.origin
                 except OSError as e:
@@ -176,6 +176,28 @@ class PosixSource(Source):
                         raise
                     problem, origin = ("unreadable", f"{rel}: {e.strerror or e}"), path
         return Sample(key, data, origin), problem
+
+    def _read_member(self, path: str, rel: str) -> tuple[bytes, tuple[str, str] | None]:
+        """(the file's bytes, None), or (b"", the problem with it). Opened without blocking (a FIFO
+        would wait for a writer forever) and read only if it is a regular file (a device never
+        ends), never more than max_member_bytes of it (a file may grow after its size is
+        taken, or say 0 on some file systems)."""
+        cap = self.max_member_bytes
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return b"", ("not_a_file", f"{rel} is not a regular file")
+            if st.st_size > cap:
+                return b"", ("too_large", f"{rel} is {st.st_size} bytes, over max_member_bytes")
+            parts = [f.read(st.st_size + 1)]  # one read, unless there is more than it said
+            got = len(parts[0])
+            while got > st.st_size and got <= cap and (more := f.read(1 << 20)):
+                parts.append(more)
+                got += len(more)
+        if got > cap:
+            return b"", ("too_large", f"{rel} grew past max_member_bytes while it was read")
+        return b"".join(parts) if len(parts) > 1 else parts[0], None
 
     def extensions(self, index: int) -> tuple[str, ...]:
         return tuple(self._index()[index][1])

@@ -299,11 +299,11 @@ class ShardSource(Source):
             self._before_open(shard)
         return open(shard, "rb", buffering=buffering)
 
-    def _open_or_problem(self, shard: str):
+    def _open_or_problem(self, shard: str, buffering: int = 1 << 20):
         """(the shard open, None), or (None, (reason, message)) for a shard that cannot be
         opened: gone, unreadable, or a staged copy that failed."""
         try:
-            return self._open(shard), None
+            return self._open(shard, buffering), None
         except SourceError as e:  # from staging on first touch
             return None, (e.reason, f"{e.message} ({e.origin})")
         except OSError as e:
@@ -395,7 +395,11 @@ class ShardSource(Source):
             return Sample(key, {}, origin)
         start = members[0][1]
         end = max(off + size for _, off, size in members)
-        with self._open(self.shards[s], buffering=0) as f:
+        f, problem = self._open_or_problem(self.shards[s], buffering=0)
+        if problem is not None:  # gone or unreadable since it was indexed
+            self.report(problem[0], key, origin, problem[1])
+            return Sample(key, {}, origin)
+        with f:
             blob = _read_span(f.fileno(), start, end - start)
         if len(blob) < end - start:
             self.report("truncated", key, origin, "shard is shorter than when it was indexed")

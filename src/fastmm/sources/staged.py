@@ -174,9 +174,10 @@ class StagedSource(Source):
             need = sum(f.size for f in self.files if not self._is_staged(f))
             free = shutil.disk_usage(self.stage_dir).free
             if need > free:
-                raise SourceError(
-                    "no_space", "", self.stage_dir, f"staging needs {need} more bytes, {free} free"
-                )
+                raise StagingError(
+                    f"staging needs {need:,} more bytes in {self.stage_dir}, which has {free:,} "
+                    "free; free space there, or stage to a larger disk (stage_dir= or "
+                    "FASTMM_STAGE_DIR)")
             self._stage_all(progress)
         # mode "before" keeps the hook only for files it could not stage: they are tried again
         # when read, where a failure is that sample's, raised or counted as on_error says
@@ -259,7 +260,7 @@ class StagedSource(Source):
     def _listing(self) -> list[RemoteFile]:
         try:
             with self._open_remote(MANIFEST) as f:
-                text = f.read().decode("utf-8")
+                text = f.read().decode("utf-8", "replace")  # a bad line fails as that line
         except (OSError, urllib.error.URLError) as e:
             if self._url:
                 raise SourceError(
@@ -280,9 +281,9 @@ class StagedSource(Source):
             try:
                 obj = json.loads(line)
                 rf = RemoteFile(str(obj["path"]), int(obj["size"]), obj.get("sha256"))
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, RecursionError) as e:  # deep nesting
                 raise SourceError(
-                    "bad_manifest", "", f"{self.remote}/{MANIFEST}:{n}", str(e)
+                    "bad_manifest", "", f"{self.remote}/{MANIFEST}:{n}", str(e)[:300]
                 ) from e
             if unsafe_name(rf.path) or rf.size < 0:
                 raise SourceError(
