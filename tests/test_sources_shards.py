@@ -218,6 +218,9 @@ def test_a_shard_gone_after_it_was_indexed_is_reported_per_sample(tmp_path):
     with pytest.raises(SourceError, match="No such file") as e:
         strict.read(3)
     assert (e.value.reason, e.value.key) == ("unreadable", "s3")
+    os.mkfifo(paths[1])  # a FIFO in its place: never waited on
+    assert src.read(2).members == {} and src.skipped == {"unreadable": 3}
+    assert "not a regular file" in src.problems[-1].message
 
 
 def test_missing_member_and_zero_byte_member(tmp_path):

@@ -12,6 +12,7 @@ import errno
 import io
 import json
 import os
+import stat
 import struct
 import tarfile
 from dataclasses import dataclass, field
@@ -297,7 +298,11 @@ class ShardSource(Source):
         for a 100 KB image: 105 us against 17 us here)."""
         if self._before_open is not None:
             self._before_open(shard)
-        return open(shard, "rb", buffering=buffering)
+        fd = os.open(shard, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", shard)
+        return open(fd, "rb", buffering=buffering)
 
     def _open_or_problem(self, shard: str, buffering: int = 1 << 20):
         """(the shard open, None), or (None, (reason, message)) for a shard that cannot be
