@@ -285,14 +285,69 @@ class UnpicklableStateStream(PositionedStream):
         return {"pos": self.pos, "hook": lambda: None}
 
 
+class FailingStateStream(PositionedStream):
+    def state_dict(self):
+        raise NotImplementedError("no state here")
+
+
+class FailingStateSampler(torch.utils.data.SequentialSampler):
+    def state_dict(self):
+        raise NotImplementedError("no sampler state")
+
+    def load_state_dict(self, state):
+        pass
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_stream_state_that_cannot_travel_fails_its_batch(num_workers):
-    """A state_dict() that cannot be pickled is an error in the loop, with the stream's own
-    message, as one that raises is (torchdata's rule); the worker does not die of it."""
-    loader = fastmm.DataLoader(UnpicklableStateStream(), batch_size=3, num_workers=num_workers)
-    with pytest.raises(Exception, match="pickle") as caught:
-        next(iter(loader))
-    assert "exited unexpectedly" not in str(caught.value)
+@pytest.mark.parametrize("case", ["unpicklable", "raises", "sampler"])
+def test_a_state_dict_that_fails_leaves_the_epoch_to_run_as_torchs_does(num_workers, case):
+    """torch's loader never calls a dataset's or sampler's state_dict(): one that raises or
+    gives what cannot be pickled costs no batch; the loader's state_dict() says why it cannot
+    save, with the owner's own message."""
+    dataset = {"unpicklable": UnpicklableStateStream, "raises": FailingStateStream}.get(
+        case, lambda: list(range(12)))()
+    sampler = FailingStateSampler(dataset) if case == "sampler" else None
+    kwargs = dict(batch_size=3, num_workers=num_workers, sampler=sampler)
+    seed = lambda: (torch.manual_seed(0), random.seed(0), np.random.seed(0))  # noqa: E731
+    seed()
+    expected = [b.tolist() if torch.is_tensor(b) else b
+                for b in torch.utils.data.DataLoader(dataset, **kwargs)]
+    loader = fastmm.DataLoader(dataset, **kwargs)
+    seed()
+    it = iter(loader)
+    got = [next(it)]
+    message = {"unpicklable": "pickle", "raises": "no state here", "sampler": "no sampler state"}
+    with pytest.raises(RuntimeError, match=message[case]):
+        loader.state_dict()
+    got += list(it)
+    assert [b.tolist() if torch.is_tensor(b) else b for b in got] == expected
+
+
+class ModuleStream(torch.utils.data.IterableDataset, torch.nn.Module):
+    """A stream that is also an nn.Module with weights: its state_dict() is the weights."""
+
+    def __init__(self):
+        torch.utils.data.IterableDataset.__init__(self)
+        torch.nn.Module.__init__(self)
+        self.weight = torch.nn.Parameter(torch.zeros(4))
+
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_a_modules_weights_are_not_taken_for_a_stream_state():
+    """An nn.Module's state_dict() is its weights: never asked per batch or saved as the
+    stream's place, which is found again by pulling the samples handed out."""
+    data = ModuleStream()
+    assert not resume._stateful(data)
+    loader = fastmm.DataLoader(data, batch_size=3)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert "weight" not in json.dumps(state, default=str)
+    restored = fastmm.DataLoader(ModuleStream(), batch_size=3)
+    restored.load_state_dict(state)
+    assert [b.tolist() for b in restored] == [[3, 4, 5], [6, 7, 8], [9]]
 
 
 class LoggedIterator:

@@ -230,17 +230,10 @@ def worker_loop(
                 if result[0] == "end":
                     iteration_end = True
             stream = None
-            if dataset_kind == _DatasetKind.Iterable and result[0] == "data":
-                try:  # as torchdata: a failing state_dict() fails the batch
-                    stream = resume.stream_state(dataset, fetcher, sent=True)
-                except Exception:
-                    result = ("error", ExceptionWrapper(
-                        where=f"in DataLoader worker process {worker_id}"))
-            elif result[0] == "end":
-                try:  # what this worker's copy carries into its next epoch, if it persists
-                    stream = resume.stream_state(dataset, fetcher, ran_out=True, sent=True)
-                except Exception:
-                    pass  # it failed after every batch: its error was raised there
+            if dataset_kind == _DatasetKind.Iterable and result[0] in ("data", "end"):
+                # what a resumed or replacement worker goes on from (resume.py)
+                stream = resume.stream_state(dataset, fetcher, ran_out=result[0] == "end",
+                                             sent=True)
             try:
                 payload = collate.pack(result[1], writer) if result[0] != "end" else None
                 status = result[0]

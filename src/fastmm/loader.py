@@ -474,7 +474,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
         self._index_queues[worker_id].close()
         self._ring.forget(self._channels[worker_id])
         self._channels[worker_id] = max(self._channels) + 1
-        stream = self._last_stream[worker_id]
+        stream = resume.usable(self._last_stream[worker_id])
         skip = 0 if stream is not None else self._samples_in(self._received[worker_id])
         if self._counters is not None and self._num_workers < self._counters.ROWS:
             # what it counted in tasks whose batches were lost, the replacement counts again;

@@ -337,6 +337,8 @@ def _own(dataset, name: str) -> list:
     methods = []
     for method in all_wrapped(dataset, name):
         owner = getattr(method, "__self__", method)
+        if getattr(method, "__func__", None) is getattr(torch.nn.Module, name, None):
+            continue  # a module's weights, not the dataset's place (see _stateful)
         if callable(method) and not any(getattr(m, "__self__", m) is owner for m in methods):
             methods.append(method)
     return methods
@@ -376,8 +378,36 @@ def dataset_state(dataset):
 
 
 def _stateful(obj) -> bool:
+    """Whether ``obj`` keeps a state to resume from (torchdata's Stateful). An nn.Module's own
+    state_dict() is its weights, not a place in a stream: asked after every batch, it would
+    copy them all each time."""
+    if isinstance(obj, torch.nn.Module) and type(obj).state_dict is torch.nn.Module.state_dict:
+        return False
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Unavailable:
+    """A state_dict() that failed (raised, or gave what cannot be pickled) where torch's loader
+    would not have called it: the epoch goes on as with torch's loader, and the loader's
+    state_dict() raises, since it cannot say where to resume."""
+
+    owner: str  # "the IterableDataset", "the sampler"
+    error: str
+
+    @classmethod
+    def of(cls, owner: str, error: Exception) -> "Unavailable":
+        return cls(owner, f"{type(error).__name__}: {error}"[:500])
+
+    def fail(self):
+        raise RuntimeError(f"fastmm cannot save where this loader is: {self.owner}'s "
+                           f"state_dict() failed during the epoch ({self.error})")
+
+
+def usable(state):
+    """A saved state to go on from, or None for one that could not be taken."""
+    return None if isinstance(state, Unavailable) else state
 
 
 def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
@@ -387,9 +417,9 @@ def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
     a resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
     a batch, or ``ran_out``): ("ended", the dataset's state, which a persistent worker's copy
     carries into the next epoch, or None where the iterator kept the state). A copy, or with
-    ``sent`` (a worker pickles it into its message at once) the state itself; either way a
-    state that cannot be pickled, to travel between processes, raises here, in the batch it
-    came with."""
+    ``sent`` (a worker pickles it into its message at once) the state itself. A state_dict()
+    that raises, or whose state cannot be pickled to travel between processes, gives an
+    Unavailable: the batch still comes (torch's loader never asks for the state)."""
     def copied(state):
         pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)  # it must travel; nothing is loaded
         return state if sent else copy.deepcopy(state)
@@ -397,18 +427,22 @@ def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
     iterator = fetcher.dataset_iter
     if not (_stateful(iterator) or _stateful(dataset)):
         return None
-    if ran_out or fetcher.ended:
-        return "ended", None if _stateful(iterator) else copied(dataset.state_dict())
-    if _stateful(iterator):
-        return "iterator", copied(iterator.state_dict())
-    return "dataset", copied(dataset.state_dict())
+    try:
+        if ran_out or fetcher.ended:
+            return "ended", None if _stateful(iterator) else copied(dataset.state_dict())
+        if _stateful(iterator):
+            return "iterator", copied(iterator.state_dict())
+        return "dataset", copied(dataset.state_dict())
+    except Exception as e:
+        return Unavailable.of("the IterableDataset", e)
 
 
 def carried_streams(streams: list) -> list:
     """The stream states persistent workers start an epoch from: a worker whose iterator ran
     out goes on with the dataset copy it had then (an epoch count it keeps, say)."""
-    return [("carried", s[1]) if s is not None and s[0] in ("ended", "carried")
-            and s[1] is not None else None for s in streams]
+    return [s if isinstance(s, Unavailable) else ("carried", s[1])
+            if s is not None and s[0] in ("ended", "carried") and s[1] is not None else None
+            for s in streams]
 
 
 def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
@@ -476,7 +510,10 @@ class SamplerTap:
     def _start(self) -> None:
         p, replay, sampler, generator = self._progress, self._replay, self._sampler, self._generator
         if replay is None:
-            p.sampler_state = sampler.state_dict() if sampler is not None else None
+            try:
+                p.sampler_state = sampler.state_dict() if sampler is not None else None
+            except Exception as e:  # torch's loader never asks: the epoch goes on
+                p.sampler_state = Unavailable.of("the sampler", e)
             p.sampler_rng = _generator_states(generator, self._own_generator)
             self._it = enumerate(iter(self._index_sampler))
             return
@@ -539,6 +576,12 @@ def encode(loader, progress: Progress | None) -> dict:
     sampler, own = _sampler_with_state(loader), sampler_generator(loader)
     # the workers that make the next batch: this iterator's, or (between epochs) fresh ones
     same_workers = loader.num_workers > 0 and (p.mid_epoch or loader.persistent_workers)
+    needed = [p.sampler_state] if p.mid_epoch else []
+    if isinstance(loader.dataset, IterableDataset) and (p.mid_epoch or same_workers):
+        needed += p.worker_streams
+    for state in needed:
+        if isinstance(state, Unavailable):
+            state.fail()
     state = {
         "fastmm_loader_state": VERSION,
         **_shape(loader),
