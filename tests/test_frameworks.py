@@ -77,3 +77,18 @@ def test_lightning_rebuilds_a_fastmm_loader_for_each_rank(tmp_path):
             assert (record["num_workers"], record["on_worker_failure"]) == (2, "respawn")
             assert len(record["ids"]) == 20
         assert sorted(records[0]["ids"] + records[1]["ids"]) == list(range(40))
+
+
+def test_lightning_shuts_a_fastmm_loaders_persistent_workers_down():
+    """Lightning ends persistent workers between loops through an isinstance check for torch's
+    multi-process iterator: fastmm's passes it, and the workers go then, not when (or if) the
+    iterator is collected."""
+    from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
+
+    loader = fastmm.DataLoader(Numbers(), batch_size=8, num_workers=2, persistent_workers=True)
+    it = iter(loader)  # still held here, as a loop's frame may hold it
+    next(it)
+    workers = list(it._workers)
+    _shutdown_workers_and_reset_iterator(loader)
+    assert loader._iterator is None
+    assert not any(w.is_alive() for w in workers)

@@ -121,6 +121,23 @@ def test_numpy_batches_travel_in_slabs_and_give_them_back(path, monkeypatch):
         assert _wait_until(lambda: used_bytes(shm) == 0)
 
 
+def _aliases(batch):
+    a = np.arange(8192, dtype=np.float64)  # 64 KiB: an array a slab carries
+    return {"array": a, "reshaped": a.reshape(64, 128), "tensor": torch.from_numpy(a),
+            "again": a}
+
+
+def test_numpy_arrays_arrive_apart_as_pickle_gives_them(path):
+    """torch pickles each NumPy array on its own: views of one array, and a tensor on its
+    memory, arrive as copies of their own; the same array twice stays one object."""
+    for loader_class in (torch.utils.data.DataLoader, fastmm.DataLoader):
+        loader = loader_class(range(4), batch_size=2, num_workers=1, collate_fn=_aliases)
+        batch = next(iter(loader))
+        batch["array"][0] = 42
+        assert batch["reshaped"][0, 0] == 0 and batch["tensor"][0] == 0, loader_class
+        assert batch["again"] is batch["array"]
+
+
 def _read_only_stack(batch):
     return np.frombuffer(np.stack([image.numpy() for image, _ in batch]).tobytes(), np.uint8)
 

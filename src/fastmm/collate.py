@@ -95,9 +95,10 @@ class _SlabPickler(pickle.Pickler):
     """Pickles a batch with each plain CPU tensor (and slab-worthy NumPy array) replaced by a
     reference to its storage.
 
-    Every storage the batch uses is copied once (only the bytes its tensors reach), so
-    tensors that share memory in the worker share it in the main process, the same tensor
-    twice stays one object, and strides and storage offsets are kept, as torch does. Other
+    Every storage the batch's tensors use is copied once (only the bytes they reach), so
+    tensors that share memory in the worker share it in the main process and the same tensor
+    twice stays one object, as torch does; strides are kept, and a view's storage offset counts
+    from the first byte copied. Each NumPy array gets its own copy, as pickle gives it. Other
     objects pickle as ForkingPickler (what torch sends batches with) would pickle them; only
     objects of types pickle does not know itself reach ``reducer_override`` (a ``persistent_id``
     hook and ForkingPickler's per-pickler table copy cost a batch of 32 captions 10 us).
@@ -118,7 +119,8 @@ class _SlabPickler(pickle.Pickler):
             # pickle gives a read-only array back writable below protocol 5 (torch's default
             # up to Python 3.13), read-only from 5 on
             read_only = not obj.flags.writeable and self._protocol >= 5
-            return _slab_array, (*self._add(tensor), read_only)
+            # its own copy, as pickle gives each array (a view of another, or of a tensor, too)
+            return _slab_array, (*self._add(tensor, shared=False), read_only)
         if not _plain_cpu_tensor(obj):
             reduce = ForkingPickler._extra_reducers.get(type(obj))  # torch's, for the rest
             return NotImplemented if reduce is None else reduce(obj)
@@ -126,14 +128,17 @@ class _SlabPickler(pickle.Pickler):
             return _empty_tensor, (obj.dtype, tuple(obj.shape), obj.stride())
         return _slab_tensor, self._add(obj)
 
-    def _add(self, obj: torch.Tensor) -> tuple[int]:
-        """Note a tensor's storage and place in it; the reference to it, as reduce arguments."""
+    def _add(self, obj: torch.Tensor, shared: bool = True) -> tuple[int]:
+        """Note a tensor's storage and place in it; the reference to it, as reduce arguments.
+        ``shared``: its storage is one slot with other tensors' on the same memory."""
         storage = obj.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        key = (storage.data_ptr(), storage.nbytes()) if shared else None
         lo, hi = _byte_span(obj)
         slot = self._storage_index.get(key)
         if slot is None:
-            slot = self._storage_index[key] = len(self.storages)
+            slot = len(self.storages)
+            if shared:
+                self._storage_index[key] = slot
             self.storages.append([storage, lo, hi])
         else:
             entry = self.storages[slot]

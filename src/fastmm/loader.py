@@ -35,6 +35,7 @@ from torch.utils.data import _utils as torch_utils
 from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
     _collate_fn_t,
+    _MultiProcessingDataLoaderIter,
     _sharding_worker_init_fn,
     _SingleProcessDataLoaderIter,
     _T_co,
@@ -304,12 +305,15 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
         self._progress.worker_streams[0] = resume.stream_state(self._dataset, self._dataset_fetcher)
 
 
-class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
-    """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``."""
+class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
+    """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``.
+    It is one to ``isinstance`` (Lightning shuts persistent workers down through such a check)
+    but runs none of its code: every method it has is this class's own."""
 
     def __init__(self, loader: DataLoader, restore: resume.Progress | None = None) -> None:
         self._owner_pid = os.getpid()
-        self._start_progress(loader, restore, super().__init__)
+        self._start_progress(loader, restore,
+                             functools.partial(_BaseDataLoaderIter.__init__, self))
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         if self._num_workers <= 0:
@@ -533,7 +537,7 @@ class _SlabDataLoaderIter(_ResumableIter, _BaseDataLoaderIter):
     # -- epoch -------------------------------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
-        super()._reset(loader, first_iter)
+        _BaseDataLoaderIter._reset(self, loader, first_iter)  # not torch's multi-process one
         first_worker = 0
         if first_iter:
             self._sampler_iter = self._first_sampler_iter
