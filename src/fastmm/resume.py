@@ -440,9 +440,13 @@ def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
 def carried_streams(streams: list) -> list:
     """The stream states persistent workers start an epoch from: a worker whose iterator ran
     out goes on with the dataset copy it had then (an epoch count it keeps, say)."""
-    return [s if isinstance(s, Unavailable) else ("carried", s[1])
-            if s is not None and s[0] in ("ended", "carried") and s[1] is not None else None
-            for s in streams]
+    def carried(s):
+        if isinstance(s, Unavailable):  # the loader's state_dict() still says so
+            return s
+        ran_out = s is not None and s[0] in ("ended", "carried") and s[1] is not None
+        return ("carried", s[1]) if ran_out else None
+
+    return [carried(s) for s in streams]
 
 
 def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
