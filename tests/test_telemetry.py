@@ -712,3 +712,85 @@ def test_gpu_marks_time_copies_and_compute_with_cuda_events():
     except ImportError:
         return
     assert m["gpu_util_percent"] is not None  # NVML, when nvidia-ml-py is installed
+
+
+class Ranged(torch.utils.data.IterableDataset):
+    """torch's documented worker_init_fn recipe: each worker narrows its copy's range."""
+
+    def __init__(self, n):
+        self.start, self.end, self.epoch = 0, n, 0
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def _split_range(worker_id):
+    info = torch.utils.data.get_worker_info()
+    ds, n = info.dataset, info.num_workers
+    per = (ds.end - ds.start + n - 1) // n
+    ds.start, ds.end = ds.start + worker_id * per, min(ds.end, ds.start + (worker_id + 1) * per)
+
+
+def test_watching_leaves_what_the_user_does_with_the_dataset_as_unwatched(loader_cls):
+    """Attributes set through the wrapped dataset reach the user's (a curriculum's
+    loader.dataset.epoch, torch's worker_init_fn sharding recipe: without that every worker
+    made every sample), and a ShardStream-like type check sees through the wrapper."""
+    from fastmm.telemetry.recorder import unwatched
+
+    data = Ranged(8)
+    loader = loader_cls(data, batch_size=2, num_workers=2, worker_init_fn=_split_range)
+    tm = Telemetry()
+    watched = tm.watch(loader)
+    loader.dataset.epoch = 3
+    assert data.epoch == 3 and unwatched(loader.dataset) is data
+    assert sorted(int(x) for b in watched for x in b) == list(range(8))
+    assert tm.summary()["samples"] == 8
+    tm.unwatch()
+
+
+class FailsAt(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i in (2, 3):
+            raise ValueError(f"bad sample {i}")
+        return i
+
+
+def test_an_error_the_loop_catches_leaves_the_watched_epoch_going(loader_cls):
+    """As unwatched: the loop may catch one batch's error and go on; len() of the iterator
+    works; every error counts in samples_failed."""
+    for workers in (0, 2):
+        tm = Telemetry()
+        it = iter(tm.watch(loader_cls(FailsAt(), batch_size=2, num_workers=workers)))
+        assert len(it) == 4
+        got = []
+        for _ in range(4):
+            try:
+                got.append(next(it).tolist())
+            except ValueError:
+                pass
+        assert got == [[0, 1], [4, 5], [6, 7]]
+        assert tm.summary()["metrics"]["samples_failed"] == 1 and tm.summary()["batches"] == 3
+        tm.unwatch()
+
+
+def test_sessions_unwatched_in_any_order_leave_the_loader_as_it_was(loader_cls):
+    """Each session takes out its own wrappers, wherever they sit; one that watches again after
+    unwatch() measures again; persistent workers restart without the wrappers."""
+    loader = loader_cls(list(range(8)), batch_size=4, num_workers=2, persistent_workers=True)
+    data, collate = loader.dataset, loader.collate_fn
+    first, second = Telemetry(), Telemetry()
+    first.watch(loader)
+    list(second.watch(loader))
+    first.unwatch()
+    second.unwatch()
+    assert loader.dataset is data and loader.collate_fn is collate
+    assert loader._iterator is None  # its workers held the wrappers
+    again = Telemetry()
+    for _ in range(2):
+        list(again.watch(loader))
+        again.unwatch()
+    assert again.summary()["metrics"]["sample_s"]["count"] == 16
+    assert loader.dataset is data

@@ -50,6 +50,7 @@ from .dataset import skip_counters
 from .slabs import SlabRing, open_files_guard
 from .stream import ShardStream
 from .telemetry import Telemetry
+from .telemetry.recorder import unwatched
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 log = logging.getLogger("fastmm")
@@ -568,7 +569,8 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         if not first_iter:
             # a ShardStream's set_epoch() reaches the workers' copies of it too (torch passes
             # nothing to persistent workers, so other datasets' copies keep theirs, as there)
-            epoch = self._dataset.epoch if isinstance(self._dataset, ShardStream) else None
+            stream = unwatched(self._dataset)
+            epoch = stream.epoch if isinstance(stream, ShardStream) else None
             for index_queue in self._index_queues:
                 index_queue.put(("resume", self._shared_seed, epoch))
             self._awaiting_resume = set(range(self._num_workers))  # a respawned one starts anew

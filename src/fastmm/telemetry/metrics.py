@@ -39,7 +39,7 @@ METRICS: dict[str, str] = {
     "worker_uss_bytes": "each worker's USS (memory only it maps), sampled (all workers pooled)",
     "total_pss_bytes": "main + all workers PSS, sampled",
     "host_used_peak_bytes": "host memory in use (psutil's used), highest sample",
-    "shm_bytes": "shared memory on the host over what it was when watching began (segments "
+    "shm_bytes": "shared memory on the host over what it was when the epoch began (segments "
                  "no process maps included), sampled",
     "cpu_percent": "CPU of main + workers, percent of one core, sampled",
     "main_cpu_percent": "CPU of the main process, percent of one core, sampled",

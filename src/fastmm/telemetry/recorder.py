@@ -237,12 +237,34 @@ _BATCH_NS_PER_TIMED_SAMPLE = 20_000
 _MIN_TIMED = 8
 
 
-class TimedDataset(torch.utils.data.Dataset):
+class _Forwarding:
+    """A wrapper whose user-visible attributes are the wrapped object's, read and written: a
+    curriculum's ``loader.dataset.epoch = e``, or torch's worker_init_fn recipe setting
+    ``get_worker_info().dataset.start``, reach the user's dataset while it is watched. The
+    wrapper's own attributes are those named in _OWN (the first is the wrapped object)."""
+
+    _OWN: tuple = ()
+
+    def __getattr__(self, name):
+        if name in self._OWN:
+            raise AttributeError(name)
+        return getattr(getattr(self, self._OWN[0]), name)
+
+    def __setattr__(self, name, value):
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(getattr(self, self._OWN[0]), name, value)
+
+
+class TimedDataset(_Forwarding, torch.utils.data.Dataset):
     """A map-style dataset that records each __getitem__ as a "sample" span (unless the dataset
     marks its own samples) and makes stage() marks inside it count."""
 
+    _OWN = ("_inner", "_log", "_marks_samples", "_timed_per_batch", "_first_timed")
+
     def __init__(self, dataset, log: SpanLog):
-        self._inner, self._log = dataset, log  # private names: the user's stay reachable
+        self._inner, self._log = dataset, log
         self._marks_samples = any(all_wrapped(dataset, "marks_sample_stage"))
         self._timed_per_batch = 1 << 62  # the first batch: every sample
         self._first_timed = 0
@@ -297,11 +319,6 @@ class TimedDataset(torch.utils.data.Dataset):
                                     // _BATCH_NS_PER_TIMED_SAMPLE)
         return items
 
-    def __getattr__(self, name):  # the user's dataset attributes stay reachable
-        if name in ("_inner", "_log", "_marks_samples", "_timed_per_batch", "_first_timed"):
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
 
 class TimedBatchDataset(TimedDataset):
     """For datasets with __getitems__ (torch's fetcher calls it for a whole batch): the call is
@@ -320,9 +337,11 @@ class TimedBatchDataset(TimedDataset):
             log.write(row, _SAMPLE, start, time.monotonic_ns(), samples)
 
 
-class TimedIterableDataset(torch.utils.data.IterableDataset):
+class TimedIterableDataset(_Forwarding, torch.utils.data.IterableDataset):
     """An iterable dataset whose every next() is recorded as a "sample" span (unless the dataset
     it reads, a ShardStream's say, marks its own samples)."""
+
+    _OWN = ("_inner", "_log", "_marks_samples")
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
@@ -337,16 +356,13 @@ class TimedIterableDataset(torch.utils.data.IterableDataset):
     def __len__(self):
         return len(self._inner)
 
-    def __getattr__(self, name):
-        if name in ("_inner", "_log", "_marks_samples"):
-            raise AttributeError(name)
-        return getattr(self._inner, name)
 
-
-class _TimedIterator:
+class _TimedIterator(_Forwarding):
     """The dataset's iterator, each next() a "sample" span; its own attributes (a resumable
     stream's state_dict) stay reachable. Spans are written a batch at a time (at collate, at
     the iterator's end, or every 64 samples), as TimedDataset's __getitems__ does."""
+
+    _OWN = ("_it", "_log", "_row", "_starts", "_ends")
 
     def __init__(self, it, log: SpanLog, row: int):
         self._it, self._log, self._row = it, log, row
@@ -378,10 +394,6 @@ class _TimedIterator:
         if _unwritten is self:  # the user's iterator is not kept alive for nothing
             _unwritten = None
 
-    def __getattr__(self, name):
-        if name in ("_it", "_log", "_row", "_starts", "_ends"):
-            raise AttributeError(name)
-        return getattr(self._it, name)
 
 
 class TimedCollate:
@@ -397,6 +409,13 @@ class TimedCollate:
         """The same timing around another function (fastmm's workers swap in their own
         collation for torch's default_collate)."""
         return TimedCollate(fn, self.log)
+
+
+def unwatched(dataset):
+    """The dataset under any telemetry wrappers (for type checks: attributes pass through)."""
+    while isinstance(dataset, (TimedDataset, TimedIterableDataset)):
+        dataset = dataset._inner
+    return dataset
 
 
 def wrap_dataset(dataset, log: SpanLog):

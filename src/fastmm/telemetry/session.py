@@ -87,25 +87,28 @@ class Telemetry:
         own FASTMM_TELEMETRY path passes torch's __iter__.)"""
         if self.loader is not None and self.loader is not loader:
             raise ValueError("a Telemetry session watches one loader; start another session")
-        if self.loader is None:
-            if getattr(loader, "_iterator", None) is not None:  # persistent workers started
-                loader._iterator._shutdown_workers()       # without the wrappers: restart them
-                loader._iterator = None
+        if self._restore is None:  # not watching it now (first time, or after unwatch())
+            _restart_persistent_workers(loader)  # started without the wrappers
             dataset, collate_fn = loader.dataset, loader.collate_fn
             object.__setattr__(loader, "dataset", wrap_dataset(dataset, self.log))
             loader.collate_fn = TimedCollate(collate_fn, self.log)
-            self._restore = (dataset, collate_fn)
-            self._skipped_before = _skipped(dataset)  # a dataset counts over its whole life
+            self._restore = (loader.dataset, loader.collate_fn)  # this session's wrappers
+            if self.loader is None:
+                self._skipped_before = _skipped(dataset)  # a dataset counts over its life
             self.loader = loader
             self._note_loop_reads(first=True)
         return Watched(self, loader, _iterate or (lambda: iter(loader)))
 
     def unwatch(self) -> None:
-        """Put the loader's own dataset and collate_fn back and stop sampling."""
+        """Put the loader's own dataset and collate_fn back (this session's wrappers only,
+        wherever another session's sit) and stop sampling; persistent workers restart
+        without the wrappers."""
         self._stop_sampler()
         if self.loader is not None and self._restore is not None:
-            object.__setattr__(self.loader, "dataset", self._restore[0])
-            self.loader.collate_fn = self._restore[1]
+            my_dataset, my_collate = self._restore
+            _splice_out(self.loader, "dataset", "_inner", my_dataset)
+            _splice_out(self.loader, "collate_fn", "fn", my_collate)
+            _restart_persistent_workers(self.loader)
             self._restore = None
         deactivate(self.log)
 
@@ -154,51 +157,23 @@ class Telemetry:
                 self._stages[name].extend(seconds[(block[:, 1] == code) & ~runs])
         self._resolve_gpu(wait=False)
 
-    def _epoch(self, loader, iterate):
-        """The loop's view of one epoch: times every next() and the gaps between them."""
+    def _epoch(self, loader, iterate) -> "_EpochIterator":
+        """The loop's view of one epoch (see _EpochIterator)."""
         if threading.get_native_id() != self._loop_tid:
             self._loop_tid = threading.get_native_id()
             self._note_loop_reads(first=True)
         self._start_sampler()
         t_iter = self._epoch_since_ns = time.monotonic_ns()
         it = self._iterator = iterate()
-        t_started = time.monotonic_ns()
-        self._loop["epoch_start_s"].add((t_started - t_iter) / 1e9)
-        pids = self._workers()
-        last = None
-        try:
-            while True:
-                t0 = time.monotonic_ns()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                except Exception:
-                    self._failed += 1
-                    raise
-                t1 = time.monotonic_ns()
-                self._loop["queue_wait_s"].add((t1 - t0) / 1e9)
-                if self.trace:
-                    self._loop_events.append(("wait", t0, t1))
-                if last is None:
-                    self._loop["first_batch_s"].add((t1 - t_iter) / 1e9)
-                else:
-                    self._loop["step_s"].add((t1 - last) / 1e9)
-                last = t1
-                self._batches += 1
-                self._samples += _batch_len(batch, loader)
-                now_pids = self._workers()
-                self._restarts += sum(a != b for a, b in zip(pids, now_pids))
-                pids = now_pids
-                if self._batches % 64 == 0:
-                    self._drain()
-                yield batch
-        finally:
-            self._wall_s += (time.monotonic_ns() - t_iter) / 1e9
-            self._epoch_since_ns = None
-            self._stop_sampler()
-            if self._iterator is it:  # its workers go when the loop lets go of it, as unwatched
-                self._iterator = None
+        self._loop["epoch_start_s"].add((time.monotonic_ns() - t_iter) / 1e9)
+        return _EpochIterator(self, loader, it, t_iter)
+
+    def _end_epoch(self, it, t_iter: int) -> None:
+        self._wall_s += (time.monotonic_ns() - t_iter) / 1e9
+        self._epoch_since_ns = None
+        self._stop_sampler()
+        if self._iterator is it:  # its workers go when the loop lets go of it, as unwatched
+            self._iterator = None
 
     # -- the loop's own marks ----------------------------------------------------------------
 
@@ -246,7 +221,8 @@ class Telemetry:
             m["gpu_idle_fraction"] = max(0.0, 1.0 - self._gpu_compute_s / wall_s)
         m["worker_restarts"] = self._restarts
         m["samples_failed"] = self._failed
-        dataset = self._restore[0] if self._restore else getattr(self.loader, "dataset", None)
+        dataset = (self._restore[0]._inner if self._restore
+                   else getattr(self.loader, "dataset", None))
         m["samples_skipped"] = _skipped(dataset) - self._skipped_before
         m["spans_dropped"] = self.log.dropped
         loader = type(self.loader) if self.loader is not None else None
@@ -314,6 +290,69 @@ class Watched:
         return getattr(self.loader, name)
 
 
+class _EpochIterator:
+    """The loader's iterator, seen by the session: times every next() and the gaps between
+    them. An iterator object, not a generator, so that it behaves as the loader's own: an error
+    from one next() the loop catches leaves the epoch going on, and len() works. The epoch's
+    figures close when it runs out, or when the loop lets go of it."""
+
+    def __init__(self, tm: Telemetry, loader, it, t_iter: int):
+        self._tm, self._loader, self._it, self._t_iter = tm, loader, it, t_iter
+        self._pids = tm._workers()
+        self._last = None
+        self._ended = False
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self._it)
+
+    def __next__(self):
+        tm = self._tm
+        if self._ended:
+            raise StopIteration
+        t0 = time.monotonic_ns()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.close()
+            raise
+        except Exception:
+            tm._failed += 1
+            raise
+        t1 = time.monotonic_ns()
+        tm._loop["queue_wait_s"].add((t1 - t0) / 1e9)
+        if tm.trace:
+            tm._loop_events.append(("wait", t0, t1))
+        if self._last is None:
+            tm._loop["first_batch_s"].add((t1 - self._t_iter) / 1e9)
+        else:
+            tm._loop["step_s"].add((t1 - self._last) / 1e9)
+        self._last = t1
+        tm._batches += 1
+        tm._samples += _batch_len(batch, self._loader)
+        now_pids = tm._workers()
+        tm._restarts += sum(a != b for a, b in zip(self._pids, now_pids))
+        self._pids = now_pids
+        if tm._batches % 64 == 0:
+            tm._drain()
+        return batch
+
+    def close(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._tm._end_epoch(self._it, self._t_iter)
+
+    def __del__(self):
+        self.close()
+
+    def __getattr__(self, name):  # the loader's iterator's own attributes (its workers, ...)
+        if name in ("_tm", "_loader", "_it", "_t_iter", "_pids", "_last", "_ended"):
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
 class _Mark:
     """Times a block of the loop: CUDA events when CUDA is in use, else wall time."""
 
@@ -340,6 +379,30 @@ class _Mark:
         if tm.trace:
             tm._loop_events.append((self.name, self.start, end))
         return False
+
+
+def _restart_persistent_workers(loader) -> None:
+    """Persistent workers hold the dataset and collate_fn they started with: end them, so the
+    next epoch starts workers with the loader's current ones."""
+    if getattr(loader, "_iterator", None) is not None:
+        loader._iterator._shutdown_workers()
+        loader._iterator = None
+
+
+def _splice_out(loader, attr: str, inner: str, mine) -> None:
+    """Take the wrapper ``mine`` out of ``loader.<attr>``: what it wraps now (its ``inner``
+    attribute) takes its place, at the top or under another session's wrapper."""
+    original = mine.__dict__[inner]
+    node = getattr(loader, attr)
+    if node is mine:
+        object.__setattr__(loader, attr, original)
+        return
+    while node is not None:
+        below = node.__dict__.get(inner) if hasattr(node, "__dict__") else None
+        if below is mine:
+            object.__setattr__(node, inner, original)
+            return
+        node = below
 
 
 def _thread_read_chars(tid: int) -> int:
