@@ -175,6 +175,18 @@ def test_a_bad_stand_in_is_counted_once_at_its_own_index(corpus, tmp_path, num_w
         assert sum("'s3'" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("width, height", [(4, 40), (1, 1), (1, 7), (7, 1), (1, 65000)])
+def test_a_center_crop_is_never_empty(width, height):
+    """A narrow image for a wide, flat output: the centred box rounds to at least a pixel each
+    way (a 0-pixel box gave black images or errors no on_error policy catches)."""
+    plan = ResizedCrop(size=(3, 50), mode="center").plan(width, height)
+    assert 1 <= plan.height <= height and 1 <= plan.width <= width
+    png = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 200, 200)).save(png, "PNG")
+    out = fastmm.decode.get_decoder("pil").decode_resized_crop(png.getvalue(), lambda w, h: plan)
+    assert out.shape == (3, 3, 50) and int(out.float().mean()) == 200
+
+
 def test_a_label_that_is_not_an_int64_is_a_bad_sample(tmp_path):
     """A cls member is an integer (-1 for a sample without one); anything else would end the
     run at int() or in the collate (past int64), or turn quietly into a wrong label."""

@@ -81,7 +81,9 @@ class ResizedCrop:
         out_h, out_w = self.size
         if self.mode == "center":
             scale = min(width / out_w, height / out_h)
-            w, h = min(width, round(out_w * scale)), min(height, round(out_h * scale))
+            # at least a pixel each way: a narrow image for a wide, flat output rounds to 0
+            w = max(1, min(width, round(out_w * scale)))
+            h = max(1, min(height, round(out_h * scale)))
             return CropPlan((height - h) // 2, (width - w) // 2, h, w, out_h, out_w, False)
         top, left, h, w = self._random_box(width, height)
         flip = bool(torch.rand(1) < self.flip_p)
