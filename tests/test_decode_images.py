@@ -249,6 +249,32 @@ def test_jpeg_reduce_to_uses_dct_scaling(target, expected):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lossless_jpeg_takes_the_fast_path_at_full_size(backend, tmp_path):
+    """A lossless JPEG (SOF3) has no DCT to scale: reduce=True decodes it whole, as reduce=False
+    does, instead of counting it corrupt (Pillow's draft mode breaks it)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ffmpeg") is None:
+        pytest.skip("ffmpeg CLI needed to write a lossless JPEG")
+    Image.fromarray(_smooth(48, 64)).save(tmp_path / "src.png")
+    subprocess.run(["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-i",
+                    str(tmp_path / "src.png"), "-c:v", "ljpeg", "-pix_fmt", "yuvj420p",
+                    str(tmp_path / "l.jpg")], check=True)
+    data = (tmp_path / "l.jpg").read_bytes()
+    from fastmm.dataset import ResizedCrop
+
+    plan = ResizedCrop(size=16, mode="center").plan
+    decoder = get_decoder(backend)
+    whole = decoder.decode_resized_crop(data, plan, key="l", reduce=False)
+    fast = decoder.decode_resized_crop(data, plan, key="l", reduce=True)
+    assert fast.shape == whole.shape == (3, 16, 16)
+    assert (fast.float() - whole.float()).abs().mean() < 3
+    if backend == "pil":
+        assert decoder.decode_image(data, reduce_to=(8, 8)).shape == (3, 48, 64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_reduce_to_is_ignored_for_png_and_other_backends(backend):
     data = encode(Image.fromarray(_rgb(64, 64)))
     assert get_decoder(backend).decode_image(data, reduce_to=(8, 8)).shape == (3, 64, 64)

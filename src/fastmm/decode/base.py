@@ -284,6 +284,13 @@ def jpeg_frame_header(data: bytes) -> int | None:
     return None
 
 
+def jpeg_scalable(data: bytes) -> bool:
+    """Whether libjpeg can decode this JPEG at a reduced scale: a DCT frame, not a lossless one
+    (SOF3, 7, 11, 15), which draft mode breaks."""
+    frame = jpeg_frame_header(data)
+    return frame is not None and data[frame + 1] not in (0xC3, 0xC7, 0xCB, 0xCF)
+
+
 def probe_image(data: bytes, key: str, limits: DecodeLimits) -> None:
     """Check the caps from the image header (a JPEG's read directly, others' by Pillow, which
     reads the header only, lazily).

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .base import CropPlan, DecodeError, DecodeLimits, crop_resize, open_image_header
+from .base import (CropPlan, DecodeError, DecodeLimits, crop_resize, jpeg_scalable,
+                   open_image_header)
 
 
 class Decoder:
@@ -31,7 +32,7 @@ class Decoder:
         """uint8 3xHxW RGB. ``reduce_to=(h, w)``: a JPEG may come back smaller than its full
         size but never smaller than (h, w); other formats come back at full size."""
         with open_image_header(data, key, self.limits) as im:
-            if reduce_to is not None and im.format == "JPEG":
+            if reduce_to is not None and im.format == "JPEG" and jpeg_scalable(data):
                 h, w = reduce_to
                 im.draft("RGB", (w, h))
             return self.pixels(im, key, to_tensor)
@@ -53,15 +54,16 @@ class Decoder:
             p = plan(im.width, im.height)
             if not reduce:
                 return self.pixels(im, key, lambda img: _pil_resized_crop(img, p))
-            scale = self.draft(im, p)
+            scale = self.draft(im, p, data)
             if scale is not None:
                 return self.reduced_crop(im, p, scale, key)
             return self.pixels(im, key, lambda img: crop_resize(hwc_view(img), p))
 
-    def draft(self, im: Image.Image, p: CropPlan) -> tuple[float, float] | None:
+    def draft(self, im: Image.Image, p: CropPlan, data: bytes) -> tuple[float, float] | None:
         """Ask libjpeg for the smallest DCT scale that keeps the crop box at least as large as
-        the output; the (x, y) scale if that is below 1, else None (decode at full size)."""
-        if im.format != "JPEG":
+        the output; the (x, y) scale if that is below 1, else None (decode at full size: also
+        for a lossless JPEG, which has no DCT to scale)."""
+        if im.format != "JPEG" or not jpeg_scalable(data):
             return None
         full_w, full_h = im.size
         im.draft("RGB", (-(-full_w * p.out_width // p.width), -(-full_h * p.out_height // p.height)))

@@ -124,7 +124,7 @@ class Decoder(LibraryDecoder):
             # a box under twice the output in either direction never gets a reduced scale, so
             # only these are opened in Pillow
             with open_image_header(data, key, self.limits) as im:
-                scale = self._pil.draft(im, p)
+                scale = self._pil.draft(im, p, data)
                 if scale is not None:
                     return self._pil.reduced_crop(im, p, scale, key)
         img = self._decoded(data, key)
