@@ -249,6 +249,30 @@ def test_jpeg_reduce_to_uses_dct_scaling(target, expected):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_exif_orientation_is_left_as_stored_by_every_backend(backend, fmt):
+    """Pixels as stored, as Pillow and torchvision's decoders give them: FFmpeg (torchcodec,
+    and torchvision's PNG path through it) and DALI would turn the image upright, and a crop
+    planned from the header then failed as "corrupt" on orientations 5-8."""
+    from fastmm.dataset import ResizedCrop
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees to display
+    data = encode(Image.fromarray(_smooth(48, 64)), fmt, exif=exif.tobytes(),
+                  **({"quality": 95} if fmt != "PNG" else {}))
+    decoder, reference = get_decoder(backend), get_decoder("pil")
+    whole = decoder.decode_image(data, key="k")
+    assert whole.shape == (3, 48, 64)
+    assert (whole.float() - reference.decode_image(data).float()).abs().mean() < JPEG_TOLERANCE
+    plan = ResizedCrop(size=(24, 32), mode="center").plan
+    for reduce in (False, True):
+        crop = decoder.decode_resized_crop(data, plan, key="k", reduce=reduce)
+        expected = reference.decode_resized_crop(data, plan, key="k", reduce=reduce)
+        assert crop.shape == (3, 24, 32)
+        assert (crop.float() - expected.float()).abs().mean() < 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_lossless_jpeg_takes_the_fast_path_at_full_size(backend, tmp_path):
     """A lossless JPEG (SOF3) has no DCT to scale: reduce=True decodes it whole, as reduce=False
     does, instead of counting it corrupt (Pillow's draft mode breaks it)."""

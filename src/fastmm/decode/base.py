@@ -284,6 +284,33 @@ def jpeg_frame_header(data: bytes) -> int | None:
     return None
 
 
+def exif_oriented(data: bytes) -> bool:
+    """Whether a JPEG, PNG or WebP carries an EXIF orientation other than 1. Every backend gives
+    pixels as stored (as Pillow and torchvision's decoders do); FFmpeg, under torchcodec, turns
+    such an image upright, so those backends decode it through Pillow instead. A byte check
+    first (the EXIF block before a JPEG's frame or a PNG's image data, a WebP's VP8X flag), so
+    images without one cost nothing more."""
+    if data.startswith(b"\xff\xd8"):
+        frame = jpeg_frame_header(data)
+        present = b"Exif\x00\x00" in data[:frame if frame is not None else 65536]
+    elif data.startswith(PNG_SIGNATURE):
+        idat = data.find(b"IDAT")
+        present = b"eXIf" in data[:idat if idat > 0 else len(data)]
+    elif data[:4] == b"RIFF" and data[8:16] == b"WEBPVP8X" and len(data) > 20:
+        present = bool(data[20] & 0x08)
+    else:
+        return False
+    if not present:
+        return False
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return im.getexif().get(0x0112, 1) != 1
+    except Exception:  # a damaged header: the decode says what is wrong
+        return False
+
+
 def jpeg_scalable(data: bytes) -> bool:
     """Whether libjpeg can decode this JPEG at a reduced scale: a DCT frame, not a lossless one
     (SOF3, 7, 11, 15), which draft mode breaks."""

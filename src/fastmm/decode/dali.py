@@ -114,13 +114,15 @@ class Decoder(LibraryDecoder):
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
             if kind != "crop":
                 dtype = types.DALIDataType.UINT16 if kind == "16 bits" else types.DALIDataType.UINT8
-                return fn.decoders.image(enc, device=where, output_type=types.RGB, dtype=dtype)
+                return fn.decoders.image(enc, device=where, output_type=types.RGB, dtype=dtype,
+                                         adjust_orientation=False)
             anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
             shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
             region = fn.decoders.image_slice(enc, anchor, shape, device=where,
                                              output_type=types.RGB, axis_names="HW",
-                                             normalized_anchor=False, normalized_shape=False)
-            return region, fn.peek_image_shape(enc)
+                                             normalized_anchor=False, normalized_shape=False,
+                                             adjust_orientation=False)
+            return region, fn.peek_image_shape(enc, adjust_orientation=False)
 
         p = pipe()
         p.build()

@@ -25,7 +25,9 @@ from .base import (
     LibraryDecoder,
     check_gpu_usable,
     crop_resize,
+    exif_oriented,
 )
+from .pil import Decoder as PilDecoder
 
 
 class Decoder(LibraryDecoder):
@@ -41,6 +43,8 @@ class Decoder(LibraryDecoder):
         self.skip_unused_frames = skip_unused_frames
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
+        if exif_oriented(data):  # FFmpeg would turn it upright: as stored, like every backend
+            return PilDecoder(limits=self.limits).decode_image(data)
         return tcd.decode_image(
             torch.frombuffer(bytearray(data), dtype=torch.uint8), mode="RGB", output_dtype="auto"
         )

@@ -25,6 +25,7 @@ from .base import (
     LibraryDecoder,
     check_gpu_usable,
     crop_resize,
+    exif_oriented,
     jpeg_size,
     open_image_header,
     probe_image,
@@ -88,6 +89,8 @@ class Decoder(LibraryDecoder):
         self._pil = PilDecoder(limits=self.limits)  # headers, and DCT-scaled JPEG decode
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
+        if exif_oriented(data):  # torchcodec's PNG decoder would turn it upright
+            return self._pil.decode_image(data)
         return _decode(data)
 
     def decode_resized_crop(
@@ -111,7 +114,7 @@ class Decoder(LibraryDecoder):
             p = plan(im.width, im.height)
             if data.startswith(b"\xff\xd8"):  # a JPEG whose header only Pillow could read
                 return self._jpeg_resized_crop(data, p, key, reduce)
-            if im.format == "PNG" and _png_decoder() is not None:
+            if im.format == "PNG" and _png_decoder() is not None and not exif_oriented(data):
                 img = to_rgb_chw(self._decoded(data, key), key, contiguous=False)
                 if img.shape[-2:] != (im.height, im.width):
                     raise DecodeError("corrupt", key, f"decoded {tuple(img.shape[-2:])}, the "
