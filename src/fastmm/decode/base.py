@@ -284,6 +284,18 @@ def jpeg_frame_header(data: bytes) -> int | None:
     return None
 
 
+_MAGIC = ((b"\xff\xd8", "jpeg"), (PNG_SIGNATURE, "png"), (b"GIF87a", "gif"), (b"GIF89a", "gif"),
+          (b"BM", "bmp"), (b"II*\x00", "tiff"), (b"MM\x00*", "tiff"))
+
+
+def image_format(data: bytes) -> str | None:
+    """The image format by its first bytes (jpeg, png, gif, bmp, tiff, webp, or "webp extended":
+    the VP8X layout, with EXIF, alpha or animation), else None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp extended" if data[12:16] == b"VP8X" else "webp"
+    return next((name for magic, name in _MAGIC if data.startswith(magic)), None)
+
+
 def exif_oriented(data: bytes) -> bool:
     """Whether a JPEG, PNG or WebP carries an EXIF orientation other than 1. Every backend gives
     pixels as stored (as Pillow and torchvision's decoders do); FFmpeg, under torchcodec, turns
@@ -369,6 +381,9 @@ class LibraryDecoder:
 
     name = ""
     label = ""
+    # image formats the library does not decode (by their first bytes): Pillow decodes those,
+    # so a valid BMP or GIF is never counted corrupt for the backend's sake
+    not_native: tuple[str, ...] = ()
 
     def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
         self.device = device
@@ -395,6 +410,10 @@ class LibraryDecoder:
     def _decoded(self, data: bytes, key: str, decode=None):
         """What ``decode(data)`` gives (by default the library's CHW tensor,
         ``_decode_chw``); an error of the library about the bytes is a DecodeError "corrupt"."""
+        if decode is None and image_format(data) in self.not_native:
+            from .pil import Decoder as PilDecoder
+
+            decode = PilDecoder(limits=self.limits).decode_image
         try:
             return (decode or self._decode_chw)(data)
         except NOT_SAMPLE_ERRORS:

@@ -43,6 +43,7 @@ os.register_at_fork(after_in_child=gc.freeze)
 class Decoder(LibraryDecoder):
     name = "dali"
     label = "DALI"
+    not_native = ("gif", "webp extended")  # DALI reads the simple WebP layout only
 
     def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
         super().__init__(device=device, limits=limits)

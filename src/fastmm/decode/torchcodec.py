@@ -33,6 +33,7 @@ from .pil import Decoder as PilDecoder
 class Decoder(LibraryDecoder):
     name = "torchcodec"
     label = "torchcodec"
+    not_native = ("bmp", "tiff")
 
     def __init__(self, *, skip_unused_frames: bool | None = None, **kwargs):
         """``skip_unused_frames``: None (default) slims MP4s on the CPU only; True on NVDEC
