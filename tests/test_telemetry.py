@@ -794,3 +794,25 @@ def test_sessions_unwatched_in_any_order_leave_the_loader_as_it_was(loader_cls):
         again.unwatch()
     assert again.summary()["metrics"]["sample_s"]["count"] == 16
     assert loader.dataset is data
+
+
+def _as_listed(batch):
+    return batch
+
+
+def _as_text(batch):
+    return [f"sample {int(x[0])}" for x in batch]
+
+
+@pytest.mark.parametrize("collate", [_as_listed, _as_text])
+def test_an_epoch_counts_its_samples_whatever_the_collate_fn_makes(loader_cls, collate):
+    """A custom collate_fn's list of samples has no batch dimension to read (the first tensor's
+    first dimension is a sample's): an epoch that runs out counts what each collate was given."""
+    for workers in (0, 2):
+        tm = Telemetry()
+        loader = loader_cls(torch.arange(40).view(10, 4), batch_size=4, num_workers=workers,
+                            collate_fn=collate)
+        assert sum(len(b) for b in tm.watch(loader)) == 10
+        summary = tm.summary()
+        assert summary["samples"] == 10 and summary["batches"] == 3
+        tm.unwatch()

@@ -23,7 +23,8 @@ import torch
 
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, Distribution
-from .recorder import _SAMPLE, STAGES, SpanLog, TimedCollate, deactivate, rchar, wrap_dataset
+from .recorder import (_COLLATE, _SAMPLE, STAGES, SpanLog, TimedCollate, deactivate, rchar,
+                       wrap_dataset)
 from .sampler import Sampler
 
 
@@ -75,6 +76,7 @@ class Telemetry:
         self._gpu_compute_s = 0.0
         self._h2d_bytes = 0
         self._samples = self._batches = self._failed = self._restarts = 0
+        self._collated = 0  # samples the collate spans counted (len of each batch's list)
         self._skipped_before = 0
         self._wall_s = 0.0  # of the epochs that ended
         self._epoch_since_ns = None  # when the running epoch began
@@ -151,6 +153,7 @@ class Telemetry:
             if self.trace:
                 self._spans.append(block)
             seconds = (block[:, 3] - block[:, 2]) / 1e9
+            self._collated += int(block[block[:, 1] == _COLLATE, 4].sum())
             runs = (block[:, 1] == _SAMPLE) & (block[:, 4] > 0)  # samples timed together
             self._sample_runs_s += float(seconds[runs].sum())
             for code, name in enumerate(STAGES):
@@ -164,14 +167,23 @@ class Telemetry:
             self._note_loop_reads(first=True)
         self._start_sampler()
         t_iter = self._epoch_since_ns = time.monotonic_ns()
+        self._drain()  # spans of earlier epochs are not this one's
+        start = (self._samples, self._collated, self.log.dropped)
         it = self._iterator = iterate()
         self._loop["epoch_start_s"].add((time.monotonic_ns() - t_iter) / 1e9)
-        return _EpochIterator(self, loader, it, t_iter)
+        return _EpochIterator(self, loader, it, t_iter, start)
 
-    def _end_epoch(self, it, t_iter: int) -> None:
+    def _end_epoch(self, it, t_iter: int, start: tuple, ran_out: bool) -> None:
+        """``start``: (samples, collated, spans dropped) as the epoch began."""
         self._wall_s += (time.monotonic_ns() - t_iter) / 1e9
         self._epoch_since_ns = None
-        self._stop_sampler()
+        self._stop_sampler()  # (it drains the last spans)
+        samples, collated, dropped = start
+        if (ran_out and getattr(self.loader, "_auto_collation", False)
+                and self.log.dropped == dropped and self._collated > collated):
+            # every batch made was handed out: the collate spans' counts are exact, where
+            # _batch_len guesses from the batch's shape (a custom collate_fn's list of samples)
+            self._samples = samples + self._collated - collated
         if self._iterator is it:  # its workers go when the loop lets go of it, as unwatched
             self._iterator = None
 
@@ -296,8 +308,9 @@ class _EpochIterator:
     from one next() the loop catches leaves the epoch going on, and len() works. The epoch's
     figures close when it runs out, or when the loop lets go of it."""
 
-    def __init__(self, tm: Telemetry, loader, it, t_iter: int):
+    def __init__(self, tm: Telemetry, loader, it, t_iter: int, start: tuple):
         self._tm, self._loader, self._it, self._t_iter = tm, loader, it, t_iter
+        self._start = start
         self._pids = tm._workers()
         self._last = None
         self._ended = False
@@ -316,7 +329,7 @@ class _EpochIterator:
         try:
             batch = next(self._it)
         except StopIteration:
-            self.close()
+            self.close(ran_out=True)
             raise
         except Exception:
             tm._failed += 1
@@ -339,16 +352,16 @@ class _EpochIterator:
             tm._drain()
         return batch
 
-    def close(self) -> None:
+    def close(self, ran_out: bool = False) -> None:
         if not self._ended:
             self._ended = True
-            self._tm._end_epoch(self._it, self._t_iter)
+            self._tm._end_epoch(self._it, self._t_iter, self._start, ran_out)
 
     def __del__(self):
         self.close()
 
     def __getattr__(self, name):  # the loader's iterator's own attributes (its workers, ...)
-        if name in ("_tm", "_loader", "_it", "_t_iter", "_pids", "_last", "_ended"):
+        if name in ("_tm", "_loader", "_it", "_t_iter", "_start", "_pids", "_last", "_ended"):
             raise AttributeError(name)
         return getattr(self._it, name)
 
