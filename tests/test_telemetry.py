@@ -816,3 +816,18 @@ def test_an_epoch_counts_its_samples_whatever_the_collate_fn_makes(loader_cls, c
         summary = tm.summary()
         assert summary["samples"] == 10 and summary["batches"] == 3
         tm.unwatch()
+
+
+def test_every_worker_of_a_large_loader_writes_a_ring_of_its_own():
+    """Rings are written without a lock, one process each: a loader with more workers than the
+    default rows gets a row per worker (workers 0 and 64 would have shared one)."""
+    from fastmm._shared import row_of
+    from fastmm.telemetry.recorder import stage
+
+    tm = Telemetry()
+    tm.watch(fastmm.DataLoader(list(range(8)), batch_size=2, num_workers=100))
+    assert tm.log.rows == 101
+    assert len({row_of(w, tm.log.rows) for w in range(100)}) == 100
+    with pytest.raises(ValueError, match="unknown stage 'collate'"):
+        stage("collate")
+    tm.unwatch()

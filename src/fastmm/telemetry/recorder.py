@@ -27,7 +27,7 @@ _SAMPLE, _COLLATE = _CODE["sample"], _CODE["collate"]
 _FIELDS = 4  # stage code, start ns, end ns, value (bytes read, samples collated)
 _RECORD = struct.Struct("=4q")
 _COUNT = struct.Struct("=q")
-ROWS = 65  # the main process and 64 worker slots (worker id mod 64)
+ROWS = 65  # the main process and 64 workers (a session watching more makes a row for each)
 CAPACITY = 16384  # spans per row between drains
 
 _active: tuple["SpanLog", int] | None = None  # this process's log and row, while watched
@@ -209,7 +209,7 @@ def stage(name: str):
     it, when a telemetry session watches the loader; otherwise it does nothing. Set ``.bytes``
     on the returned object to record bytes (for "read")."""
     code = _CODE.get(name)
-    if code is None:
+    if code is None or name == "collate":  # the loader's collate_fn is timed already
         raise ValueError(f"unknown stage {name!r}; use one of {STAGES[1:4]}")
     if _active is None:
         _NO_STAGE.bytes = 0

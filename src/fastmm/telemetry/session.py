@@ -90,6 +90,8 @@ class Telemetry:
         if self.loader is not None and self.loader is not loader:
             raise ValueError("a Telemetry session watches one loader; start another session")
         if self._restore is None:  # not watching it now (first time, or after unwatch())
+            if self.loader is None and loader.num_workers >= self.log.rows:
+                self.log = SpanLog(rows=loader.num_workers + 1)  # a ring for every worker
             _restart_persistent_workers(loader)  # started without the wrappers
             dataset, collate_fn = loader.dataset, loader.collate_fn
             object.__setattr__(loader, "dataset", wrap_dataset(dataset, self.log))
