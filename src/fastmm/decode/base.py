@@ -296,19 +296,17 @@ def image_format(data: bytes) -> str | None:
     return next((name for magic, name in _MAGIC if data.startswith(magic)), None)
 
 
-def exif_oriented(data: bytes) -> bool:
-    """Whether a JPEG, PNG or WebP carries an EXIF orientation other than 1. Every backend gives
-    pixels as stored (as Pillow and torchvision's decoders do); FFmpeg, under torchcodec, turns
-    such an image upright, so those backends decode it through Pillow instead. A byte check
-    first (the EXIF block before a JPEG's frame or a PNG's image data, a WebP's VP8X flag), so
-    images without one cost nothing more."""
-    if data.startswith(b"\xff\xd8"):
+def exif_oriented(data: bytes, fmt: str | None) -> bool:
+    """Whether a JPEG, PNG or WebP (``fmt``: its image_format) carries an EXIF orientation other
+    than 1. A byte check first (the EXIF block before a JPEG's frame or a PNG's image data, a
+    WebP's VP8X flag), so images without one cost nothing more."""
+    if fmt == "jpeg":
         frame = jpeg_frame_header(data)
         present = b"Exif\x00\x00" in data[:frame if frame is not None else 65536]
-    elif data.startswith(PNG_SIGNATURE):
+    elif fmt == "png":
         idat = data.find(b"IDAT")
         present = b"eXIf" in data[:idat if idat > 0 else len(data)]
-    elif data[:4] == b"RIFF" and data[8:16] == b"WEBPVP8X" and len(data) > 20:
+    elif fmt == "webp extended" and len(data) > 20:
         present = bool(data[20] & 0x08)
     else:
         return False
@@ -381,13 +379,19 @@ class LibraryDecoder:
 
     name = ""
     label = ""
-    # image formats the library does not decode (by their first bytes): Pillow decodes those,
-    # so a valid BMP or GIF is never counted corrupt for the backend's sake
+    # image formats (image_format's names) Pillow decodes instead of the library: those it
+    # lacks (a valid BMP or GIF is never counted corrupt for the backend's sake), and those it
+    # turns upright by their EXIF orientation (every backend gives pixels as stored, as Pillow
+    # and torchvision's decoders do), when they carry one
     not_native: tuple[str, ...] = ()
+    turns_upright: tuple[str, ...] = ()
 
     def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
+        from .pil import Decoder as PilDecoder  # (pil imports this module)
+
         self.device = device
         self.limits = limits or DecodeLimits()
+        self._pil = PilDecoder(limits=self.limits)
 
     def decode_image(
         self, data: bytes, *, key: str = "", reduce_to: tuple[int, int] | None = None
@@ -410,16 +414,19 @@ class LibraryDecoder:
     def _decoded(self, data: bytes, key: str, decode=None):
         """What ``decode(data)`` gives (by default the library's CHW tensor,
         ``_decode_chw``); an error of the library about the bytes is a DecodeError "corrupt"."""
-        if decode is None and image_format(data) in self.not_native:
-            from .pil import Decoder as PilDecoder
-
-            decode = PilDecoder(limits=self.limits).decode_image
+        if decode is None and self._for_pillow(data):
+            decode = self._pil.decode_image
         try:
             return (decode or self._decode_chw)(data)
         except NOT_SAMPLE_ERRORS:
             raise
         except Exception as e:
             raise DecodeError("corrupt", key, f"{self.label} could not decode: {e}") from None
+
+    def _for_pillow(self, data: bytes) -> bool:
+        """Whether Pillow decodes this image instead of the library (see not_native)."""
+        fmt = image_format(data)
+        return fmt in self.not_native or (fmt in self.turns_upright and exif_oriented(data, fmt))
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
         raise NotImplementedError

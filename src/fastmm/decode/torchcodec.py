@@ -25,15 +25,14 @@ from .base import (
     LibraryDecoder,
     check_gpu_usable,
     crop_resize,
-    exif_oriented,
 )
-from .pil import Decoder as PilDecoder
 
 
 class Decoder(LibraryDecoder):
     name = "torchcodec"
     label = "torchcodec"
     not_native = ("bmp", "tiff")
+    turns_upright = ("jpeg", "png", "webp extended")  # FFmpeg does
 
     def __init__(self, *, skip_unused_frames: bool | None = None, **kwargs):
         """``skip_unused_frames``: None (default) slims MP4s on the CPU only; True on NVDEC
@@ -44,8 +43,6 @@ class Decoder(LibraryDecoder):
         self.skip_unused_frames = skip_unused_frames
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
-        if exif_oriented(data):  # FFmpeg would turn it upright: as stored, like every backend
-            return PilDecoder(limits=self.limits).decode_image(data)
         return tcd.decode_image(
             torch.frombuffer(bytearray(data), dtype=torch.uint8), mode="RGB", output_dtype="auto"
         )

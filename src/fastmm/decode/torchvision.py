@@ -25,13 +25,11 @@ from .base import (
     LibraryDecoder,
     check_gpu_usable,
     crop_resize,
-    exif_oriented,
     jpeg_size,
     open_image_header,
     probe_image,
     to_rgb_chw,
 )
-from .pil import Decoder as PilDecoder
 from .pil import hwc_view
 from .pil import to_tensor as pil_to_tensor
 
@@ -71,6 +69,7 @@ def _png_decoder():
 class Decoder(LibraryDecoder):
     name = "torchvision"
     label = "torchvision"
+    turns_upright = ("png",)  # torchcodec's PNG decoder (_png_decoder) does
 
     def __init__(self, *, device: str = "cpu", limits: DecodeLimits | None = None):
         # torchvision deprecated its image decoders in 0.29 for torchcodec's: once a release
@@ -85,12 +84,9 @@ class Decoder(LibraryDecoder):
                 f"torchvision.io.{', '.join(missing)} (its image decoders, deprecated since "
                 "0.29); use the 'torchcodec' decoder, or torchvision<=0.29"
             )
-        super().__init__(device=device, limits=limits)
-        self._pil = PilDecoder(limits=self.limits)  # headers, and DCT-scaled JPEG decode
+        super().__init__(device=device, limits=limits)  # self._pil: headers, DCT-scaled JPEGs
 
     def _decode_chw(self, data: bytes) -> torch.Tensor:
-        if exif_oriented(data):  # torchcodec's PNG decoder would turn it upright
-            return self._pil.decode_image(data)
         return _decode(data)
 
     def decode_resized_crop(
@@ -114,7 +110,7 @@ class Decoder(LibraryDecoder):
             p = plan(im.width, im.height)
             if data.startswith(b"\xff\xd8"):  # a JPEG whose header only Pillow could read
                 return self._jpeg_resized_crop(data, p, key, reduce)
-            if im.format == "PNG" and _png_decoder() is not None and not exif_oriented(data):
+            if im.format == "PNG" and _png_decoder() is not None:
                 img = to_rgb_chw(self._decoded(data, key), key, contiguous=False)
                 if img.shape[-2:] != (im.height, im.width):
                     raise DecodeError("corrupt", key, f"decoded {tuple(img.shape[-2:])}, the "
