@@ -395,7 +395,6 @@ class _TimedIterator(_Forwarding):
             _unwritten = None
 
 
-
 class TimedCollate:
     """A collate function recorded as one "collate" span per batch."""
 

@@ -23,8 +23,8 @@ import torch
 
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, Distribution
-from .recorder import (_COLLATE, _SAMPLE, STAGES, SpanLog, TimedCollate, deactivate, rchar,
-                       wrap_dataset)
+from .recorder import (_COLLATE, _SAMPLE, STAGES, SpanLog, TimedCollate, _Forwarding, deactivate,
+                       rchar, wrap_dataset)
 from .sampler import Sampler
 
 
@@ -304,11 +304,14 @@ class Watched:
         return getattr(self.loader, name)
 
 
-class _EpochIterator:
+class _EpochIterator(_Forwarding):
     """The loader's iterator, seen by the session: times every next() and the gaps between
     them. An iterator object, not a generator, so that it behaves as the loader's own: an error
-    from one next() the loop catches leaves the epoch going on, and len() works. The epoch's
-    figures close when it runs out, or when the loop lets go of it."""
+    from one next() the loop catches leaves the epoch going on, len() works, and its attributes
+    (workers, ...) are the loader iterator's. The epoch's figures close when it runs out, or
+    when the loop lets go of it."""
+
+    _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_pids", "_last", "_ended")
 
     def __init__(self, tm: Telemetry, loader, it, t_iter: int, start: tuple):
         self._tm, self._loader, self._it, self._t_iter = tm, loader, it, t_iter
@@ -361,11 +364,6 @@ class _EpochIterator:
 
     def __del__(self):
         self.close()
-
-    def __getattr__(self, name):  # the loader's iterator's own attributes (its workers, ...)
-        if name in ("_tm", "_loader", "_it", "_t_iter", "_start", "_pids", "_last", "_ended"):
-            raise AttributeError(name)
-        return getattr(self._it, name)
 
 
 class _Mark:
