@@ -316,11 +316,13 @@ def test_slow_dataset_shows_as_queue_wait(loader_cls):
 
 
 class Allocates(Dataset):
-    """From the 8th sample on, the worker holds 256 MiB it has touched."""
+    """From the 8th sample on, the worker holds 256 MiB it has touched; it writes down when
+    (time.monotonic_ns, the clock the sampler's rows carry) it began to allocate."""
 
     MIB = 256
 
-    def __init__(self):
+    def __init__(self, mark):
+        self.mark = mark
         self.held = None
         self.calls = 0
 
@@ -330,23 +332,27 @@ class Allocates(Dataset):
     def __getitem__(self, i):
         self.calls += 1
         if self.calls == 8:
+            self.mark.write_text(str(time.monotonic_ns()))
             self.held = np.ones(self.MIB << 20, dtype=np.uint8)
         time.sleep(0.06)
         return i
 
 
-def test_worker_memory_is_the_memory_it_touched(loader_cls):
+def test_worker_memory_is_the_memory_it_touched(loader_cls, tmp_path):
+    mark = tmp_path / "allocating"
     tm = Telemetry(interval_s=0.05, pss_interval_s=0.05)
-    for _ in tm.watch(loader_cls(Allocates(), batch_size=1, num_workers=1)):
+    for _ in tm.watch(loader_cls(Allocates(mark), batch_size=1, num_workers=1)):
         pass
+    allocating_ns = int(mark.read_text())
     m = tm.summary()["metrics"]
     for name in ("worker_uss_bytes", "worker_pss_bytes", "worker_rss_bytes"):
         column = name.replace("worker_", "")
-        seen = [r[column][1] for r in tm._series
+        rows = [r for r in tm._series
                 if len(r["pids"]) == 2 and r.get(column) and r[column][1] is not None]
-        assert m[name]["max"] == max(seen)
-        # before the 8th sample (the first third of the run), and after
-        grown = max(seen) - float(np.median(seen[: len(seen) // 3]))
+        seen = [r[column][1] for r in rows]
+        before = [r[column][1] for r in rows if r["t_ns"] < allocating_ns]
+        assert m[name]["max"] == max(seen) and before, (len(rows), len(before))
+        grown = max(seen) - float(np.median(before[-3:]))  # just before it allocated
         assert (Allocates.MIB - 8) << 20 <= grown, (name, grown)
         if name != "worker_rss_bytes":  # RSS also grows as a new worker touches what it shares
             assert grown <= (Allocates.MIB + 24) << 20, (name, grown)
