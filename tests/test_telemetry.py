@@ -21,6 +21,9 @@ from fastmm.telemetry.metrics import Distribution
 from _datasets import Staged
 
 LOADERS = {"torch": TorchDataLoader, "fastmm": fastmm.DataLoader}
+# A Staged sample sleeps 14 ms in three sleeps; on a loaded 2-core machine each can overrun,
+# but a sample timed twice or a stage left out lands far outside
+SAMPLE_S_MAX = 0.017
 
 
 @pytest.fixture(params=["torch", "fastmm"])
@@ -40,7 +43,8 @@ def test_stage_latencies_are_the_sleeps(loader_cls, workers, context):
     for name, expected in (("read_s", 0.004), ("decode_s", 0.008), ("augment_s", 0.002),
                            ("sample_s", 0.014)):
         assert m[name]["count"] == 24
-        assert expected <= m[name]["p50"] <= expected + 0.0015, (name, m[name])
+        most = SAMPLE_S_MAX if name == "sample_s" else expected + 0.0015
+        assert expected <= m[name]["p50"] <= most, (name, m[name])
     assert m["collate_s"]["count"] == 6 and m["collate_s"]["p50"] < 0.005
     assert m["first_batch_s"]["count"] == 1 and m["step_s"]["count"] == 5
     assert m["spans_dropped"] == 0 and m["samples_failed"] == 0 and m["worker_restarts"] == 0
@@ -68,7 +72,7 @@ def test_stream_sample_latencies_are_the_sleeps(loader_cls, workers, batch_size)
     assert sorted(torch.cat([b.view(-1, 4) for b in got])[:, 0].tolist()) == list(range(22))
     m = tm.summary()["metrics"]
     assert m["sample_s"]["count"] == m["decode_s"]["count"] == 22
-    assert 0.014 <= m["sample_s"]["p50"] <= 0.0155, m["sample_s"]
+    assert 0.014 <= m["sample_s"]["p50"] <= SAMPLE_S_MAX, m["sample_s"]
     assert m["spans_dropped"] == 0
 
 
@@ -83,7 +87,7 @@ def test_a_random_split_times_each_sample_and_a_batched_fetch_stays_batched(load
     got = torch.cat(list(tm.watch(loader_cls(train, batch_size=4, num_workers=2))))
     assert sorted(got[:, 0].tolist()) == sorted(train.indices)
     m = tm.summary()["metrics"]
-    assert m["sample_s"]["count"] == 16 and 0.014 <= m["sample_s"]["p50"] <= 0.0155
+    assert m["sample_s"]["count"] == 16 and 0.014 <= m["sample_s"]["p50"] <= SAMPLE_S_MAX
 
     batched = torch.utils.data.Subset(GetItemsDataset(12), [3, 5, 7, 9])
     plain = list(loader_cls(batched, batch_size=2, num_workers=2))
@@ -112,7 +116,7 @@ def test_an_endless_stream_counts_the_samples_of_the_batches_it_made(loader_cls,
             break
     m = tm.summary()["metrics"]
     assert 20 <= m["sample_s"]["count"] <= m["decode_s"]["count"]
-    assert 0.014 <= m["sample_s"]["p50"] <= 0.0155, m["sample_s"]
+    assert 0.014 <= m["sample_s"]["p50"] <= SAMPLE_S_MAX, m["sample_s"]
 
 
 def test_spans_written_together_keep_their_order_and_count_what_the_ring_lost():
