@@ -90,7 +90,7 @@ def test_cli_writes_results_json(run):
 
     env = results["environment"]
     assert set(env) == ENV_KEYS
-    assert env["argv"][1:] == argv
+    assert env["argv"] == ["python", "-m", "fastmm.bench", *argv]  # a command that runs it again
     assert set(env["versions"]) == {
         "fastmm", "torch", "torchvision", "torchcodec", "dali", "webdataset", "spdl",
         "mosaicml_streaming", "av", "numpy",
@@ -685,3 +685,83 @@ def test_resume_cost_quick_run_times_both_ways(tmp_path):
         assert result["first_batch_s"][f"{way} @ {stop}"]["reps"][0] > 0
     assert result["pulled_over_own"][str(stop)]["median"] > 0
     assert "ratio" in (out / "resume_cost.md").read_text()
+
+
+def _bad_command_lines(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    no_table = tmp_path / "no-experiment.toml"
+    no_table.write_text("[step]\n")
+    return [
+        ("cli", ["--min-seconds", "nan"]),  # a window that would never close
+        ("cli", ["--warmup-seconds", "inf"]),
+        ("cli", ["--out", str(a_file)]),
+        ("cli", ["--cache-dir", str(a_file / "sub")]),
+        ("cli", ["--seed", "-1"]),
+        ("cli", ["--workloads", "decode,bogus"]),
+        ("suite", ["--only", "loader,bogus"]),
+        ("pipelines", ["--workloads", "images"]),  # telemetry_cost's spelling
+        ("telemetry_cost", ["--workloads", "image"]),
+        ("study_staging", ["--reps", "0"]),
+        ("study_staging", ["--out", str(a_file / "sub")]),  # found before the run, not after
+        ("study_gpu_decode", ["--reps", "-1"]),
+        ("study_shards", ["--worlds", "2,0"]),
+        ("study_shards", ["--work-dir", str(a_file)]),
+        ("resume_cost", ["--fractions", "0.5,1.5"]),
+        ("experiment", ["--config", str(tmp_path / "missing.toml")]),
+        ("experiment", ["--config", str(no_table)]),
+        ("mmcorpus", ["--out", str(a_file)]),
+    ]
+
+
+def test_bad_command_lines_are_refused_before_any_work(tmp_path, capsys):
+    """argparse's one-line error and exit 2, for every bench command, before it starts."""
+    import importlib
+
+    for module, argv in _bad_command_lines(tmp_path):
+        main = importlib.import_module(f"fastmm.bench.{module}").main
+        started = time.perf_counter()
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        said = capsys.readouterr().err
+        assert exited.value.code == 2 and "error: argument" in said, (module, argv, said)
+        assert time.perf_counter() - started < 5, (module, argv)
+    assert not list((tmp_path).glob("*/")), "nothing made"
+
+
+def test_quick_presets_give_way_to_what_the_command_line_says():
+    import argparse
+
+    from fastmm.bench import options
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--images", type=options.whole(1), default=400)
+    p.add_argument("--worlds", type=options.listed(options.whole(1)), default="2,4")
+    p.add_argument("--quick", action="store_true")
+    preset = {"images": 48, "worlds": [2]}
+    assert vars(options.parse(p, ["--quick", "--worlds", "3"], preset)) == {
+        "images": 48, "worlds": [3], "quick": True}
+    assert vars(options.parse(p, ["--images", "10"], preset)) == {
+        "images": 10, "worlds": [2, 4], "quick": False}
+
+
+def test_a_terminated_study_removes_its_temporary_data_and_says_so(tmp_path):
+    """SIGTERM (timeout, a scheduler) ends a study as Ctrl-C does: its finally clauses run."""
+    import signal
+
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastmm.bench.study_shards", "--quick", "--out",
+         str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--work-dir", str(work)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(work.glob("fastmm-shards-*")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    assert list(work.glob("fastmm-shards-*")), "it made its temporary directory"
+    proc.send_signal(signal.SIGTERM)
+    _, said = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in said and "Traceback" not in said, said
+    assert not list(work.iterdir())
+    assert not (tmp_path / "out" / "shards.json").exists()

@@ -109,6 +109,8 @@ def test_rank_and_world_size_come_from_the_torchrun_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(fastmm.ConfigError, match="WORLD_SIZE='two' is not an integer"):
         fastmm.DistributedSampler(range(10))
+    # both given: the environment is not read (a launcher's stray RANK breaks nothing)
+    assert fastmm.DistributedSampler(range(10), rank=1, num_replicas=2).rank == 1
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     assert fastmm.DistributedSampler(range(10)).num_replicas == 1  # one process

@@ -84,6 +84,22 @@ def test_the_doctor_command_reports_and_flags_problems():
     assert many.returncode == 0 and "WARNING: " in many.stdout  # slower, not broken
 
 
+def test_the_doctor_names_each_bad_variable_and_refuses_bad_arguments(tmp_path):
+    bad = dict(os.environ, FASTMM_SHM_DIR=str(tmp_path / "missing"), FASTMM_DECODE="opencv",
+               FASTMM_STAGE_DIR=str(tmp_path / "missing" / "stage"))
+    said = subprocess.run([sys.executable, "-m", "fastmm.doctor"], capture_output=True,
+                          text=True, env=bad)
+    assert said.returncode == 1 and said.stdout.endswith("problems found\n"), said.stderr
+    for name in ("FASTMM_SHM_DIR", "FASTMM_DECODE", "FASTMM_STAGE_DIR"):
+        assert f"PROBLEM: {name}=" in said.stdout
+    assert "Traceback" not in said.stderr
+    for argv in (["--num-workers", "-3"], ["--num-workers", "2", "--batch-mb", "nan"],
+                 ["--num-workers", "2", "--batch-mb", "-5"], ["--prefetch-factor", "0"]):
+        refused = subprocess.run([sys.executable, "-m", "fastmm.doctor", *argv],
+                                 capture_output=True, text=True)
+        assert refused.returncode == 2 and "fastmm-doctor: error: " in refused.stderr, argv
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to initialise it")
 def test_cuda_before_fork_is_said():
     torch.cuda.init()

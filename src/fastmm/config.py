@@ -109,14 +109,17 @@ def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
 
 
 def _env_new_dir(name: str) -> str | None:
-    """A directory fastmm may create: it exists, or its parent does."""
+    """A directory fastmm may create and write in: it exists, or its parent does."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return None
-    if not (os.path.isdir(raw) or os.path.isdir(os.path.dirname(os.path.abspath(raw)))):
+    there = raw if os.path.exists(raw) else os.path.dirname(os.path.abspath(raw))
+    if not os.path.isdir(there):
         raise ConfigError(
             f"{name}={raw!r} is neither an existing directory nor inside one; use a directory path"
         )
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}={raw!r} is not writable; use a directory this user can write")
     return raw
 
 
@@ -203,44 +206,39 @@ def decode_deadline(value: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class DistConfig:
-    """This process's place in a distributed job: torch.distributed when it is initialised, else
-    what torchrun exports (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), else one process."""
+    """This process's place in a distributed job: the arguments, else torch.distributed when it
+    is initialised, else what torchrun exports (RANK, WORLD_SIZE), else one process."""
 
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
 
     @classmethod
     def resolve(cls, *, rank: int | None = None, world_size: int | None = None) -> "DistConfig":
-        """Arguments win; then torch.distributed; then the torchrun environment."""
-        found = cls._from_process_group() or cls.from_env()
-        rank = found.rank if rank is None else rank
-        world_size = found.world_size if world_size is None else world_size
+        """Arguments win; what they leave out comes from torch.distributed, then the torchrun
+        environment (read only then: a stray RANK does not break explicit arguments)."""
+        if rank is None or world_size is None:
+            found = cls._from_process_group() or cls.from_env()
+            rank = found.rank if rank is None else rank
+            world_size = found.world_size if world_size is None else world_size
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
-        return cls(rank, world_size, found.local_rank, found.local_world_size)
+        return cls(rank, world_size)
 
-    @classmethod
-    def _from_process_group(cls) -> "DistConfig | None":
+    @staticmethod
+    def _from_process_group() -> "DistConfig | None":
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        env = cls.from_env()
-        return cls(dist.get_rank(), dist.get_world_size(), env.local_rank, env.local_world_size)
+        return DistConfig(dist.get_rank(), dist.get_world_size())
 
     @classmethod
     def from_env(cls) -> "DistConfig":
         world = _env_int("WORLD_SIZE", 1, low=1)
-        local_world = _env_int("LOCAL_WORLD_SIZE", 1, low=1)
         rank = _env_int("RANK", 0, low=0)
-        local_rank = _env_int("LOCAL_RANK", 0, low=0)
         if rank >= world:
             raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world}")
-        if local_rank >= local_world:
-            raise ConfigError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world}")
-        return cls(rank, world, local_rank, local_world)
+        return cls(rank, world)
 
 
 def _env_int(name: str, default: int, *, low: int) -> int:

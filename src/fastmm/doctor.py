@@ -17,7 +17,8 @@ import warnings
 
 import torch
 
-from .config import TransportConfig
+from . import config as fastmm_config
+from .config import ConfigError, TransportConfig
 from .errors import FastmmWarning
 
 LARGE_PYTHON_CONTAINER = 100_000  # items: each one's refcount write in a worker copies a page
@@ -93,8 +94,20 @@ def warn_once(said: set, findings) -> None:
 
 def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | None) -> tuple[str, bool]:
     """The machine's findings as text, and whether any is a problem."""
-    config = TransportConfig.from_env()
     lines, problem = [], False
+    for read in (fastmm_config.TelemetryConfig.from_env, fastmm_config.SourceConfig.from_env,
+                 fastmm_config.DecodeConfig.from_env, fastmm_config.DistConfig.from_env,
+                 lambda: fastmm_config.decode_deadline(None)):
+        try:  # each variable a loader or dataset would refuse
+            read()
+        except ConfigError as e:
+            lines.append(f"PROBLEM: {e}")
+            problem = True
+    try:
+        config = TransportConfig.from_env()
+    except ConfigError as e:
+        lines.append(f"PROBLEM: {e}")
+        config, problem = TransportConfig(), True
     cores = usable_cores()
     lines.append(f"cores usable by this process: {cores}")
     try:
@@ -107,7 +120,7 @@ def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | Non
     lines.append(f"worker start method: {multiprocessing.get_start_method(allow_none=True) or 'fork'}")
     from .slabs import uses_cpp
 
-    lines.append("slab transport: " + ("C++ (fastmm._C)" if uses_cpp() else
+    lines.append("slab transport: " + ("C++ (fastmm._C)" if uses_cpp(config) else
                                        "pure Python (fastmm._C not importable or disabled)"))
     if num_workers is not None:
         if num_workers > cores:  # slower, not broken: torch warns about it too
@@ -134,6 +147,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.batch_mb is not None and args.num_workers is None:
         p.error("--batch-mb needs --num-workers")
+    if (args.num_workers is not None and args.num_workers < 0) or args.prefetch_factor < 1:
+        p.error("--num-workers must be at least 0 and --prefetch-factor at least 1")
+    if args.batch_mb is not None and not 0 < args.batch_mb < float("inf"):
+        p.error(f"--batch-mb must be a finite number above 0, got {args.batch_mb}")
     batch = None if args.batch_mb is None else int(args.batch_mb * 2**20)
     text, problem = report(args.num_workers, args.prefetch_factor, batch)
     print(text)

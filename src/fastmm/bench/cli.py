@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.utils.data
 
-from . import env, harness, report, stats
+from . import env, harness, options, report, stats
 from .corpus import default_cache_dir, ensure_corpus
 from .workloads import (
     CONSUMERS,
@@ -37,6 +37,7 @@ from .workloads import (
 )
 
 WORKLOADS = ("transport", "decode", "captions")
+CLIP_MODES = ("view", "clone", "numpy", "bytes")
 RESULTS_FORMAT = 2  # 2: consumer choice, consume-alone, paced memory repetitions, Shmem
 BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
 BUSY_RETRIES = 2  # with --wait-quiet, a busy timed or memory repetition is redone at most this often
@@ -129,7 +130,7 @@ def _loader_arms(dataset, batch_size: int, args, collate_fn=None) -> list[Arm]:
 
 
 def transport_case(args, clip_mode: str) -> Case:
-    shape = tuple(int(v) for v in args.clip_shape.split(","))
+    shape = tuple(args.clip_shape)
     dataset = ClipBankDataset(shape, bank_size=args.clip_bank, mode=clip_mode, seed=args.seed)
     b = args.transport_batch_size
     consume = CONSUMERS[args.consume][0]
@@ -527,27 +528,27 @@ def build_parser() -> argparse.ArgumentParser:
             "dataset, batch size and workers, interleaved repetitions, medians and spread."
         ),
     )
-    parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    parser.add_argument("--out", type=options.directory, default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: " + ", ".join(f"{k.replace('_', '-')}={v}" for k, v in QUICK.items()))
-    parser.add_argument("--workloads", default="transport,decode",
+    parser.add_argument("--workloads", type=options.listed(str, WORKLOADS), default="transport,decode",
                         help=f"comma-separated subset of {','.join(WORKLOADS)} "
                         "(default: transport,decode)")
-    parser.add_argument("--reps", type=int, help=f"timed repetitions per arm (default {FULL['reps']})")
-    parser.add_argument("--mem-reps", type=int,
+    parser.add_argument("--reps", type=options.whole(1), help=f"timed repetitions per arm (default {FULL['reps']})")
+    parser.add_argument("--mem-reps", type=options.whole(0),
                         help="rounds of memory repetitions with the PSS sampler on, each one "
                         f"max-throughput and one paced repetition per loader (default {FULL['mem_reps']})")
-    parser.add_argument("--min-seconds", type=float,
+    parser.add_argument("--min-seconds", type=options.number(0),
                         help=f"shortest throughput window of a repetition (default {FULL['min_seconds']})")
-    parser.add_argument("--warmup-seconds", type=float,
+    parser.add_argument("--warmup-seconds", type=options.number(0),
                         help=f"window of the untimed warm-up repetition (default {FULL['warmup_seconds']})")
-    parser.add_argument("--num-workers", type=int, default=2, help="loader workers (default 2)")
-    parser.add_argument("--transport-batch-size", type=int, default=32, help="(default 32)")
-    parser.add_argument("--captions-batch-size", type=int, default=32, help="(default 32)")
-    parser.add_argument("--clip-shape", default="16,3,224,224",
+    parser.add_argument("--num-workers", type=options.whole(1), default=2, help="loader workers (default 2)")
+    parser.add_argument("--transport-batch-size", type=options.whole(1), default=32, help="(default 32)")
+    parser.add_argument("--captions-batch-size", type=options.whole(1), default=32, help="(default 32)")
+    parser.add_argument("--clip-shape", type=options.listed(options.whole(1)), default="16,3,224,224",
                         help="transport sample shape, uint8 (default 16,3,224,224)")
-    parser.add_argument("--clip-bank", type=int, default=8, help="distinct clips preallocated (default 8)")
-    parser.add_argument("--clip-modes",
+    parser.add_argument("--clip-bank", type=options.whole(1), default=8, help="distinct clips preallocated (default 8)")
+    parser.add_argument("--clip-modes", type=options.listed(str, CLIP_MODES),
                         help="transport cases to run, comma-separated: 'view' (getitem returns the "
                         "bank's tensor: the batch copy is the only copy, so transport dominates) "
                         "and/or 'clone' (a fresh copy per sample, as a decoder would hand out) "
@@ -555,19 +556,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "that keeps NumPy) and/or 'bytes' (the clip's bytes as a read-only "
                         "array, np.frombuffer's, in a list per batch: raw bytes for a GPU decoder) "
                         f"(default {FULL['clip_modes']})"),
-    parser.add_argument("--decode-batch-sizes",
+    parser.add_argument("--decode-batch-sizes", type=options.listed(options.whole(1)),
                         help=f"comma-separated (default {FULL['decode_batch_sizes']})")
-    parser.add_argument("--num-images", type=int,
+    parser.add_argument("--num-images", type=options.whole(1),
                         help=f"JPEGs in the decode corpus (default {FULL['num_images']})")
-    parser.add_argument("--cache-dir", default=None,
+    parser.add_argument("--cache-dir", type=options.directory, default=None,
                         help=f"where the JPEG corpus is generated and reused (default {default_cache_dir()})")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=options.whole(0), default=0,
                         help="data seed, and torch.manual_seed before every loader (default 0)")
     parser.add_argument("--consume", choices=sorted(CONSUMERS), default=DEFAULT_CONSUMER,
                         help="the training-loop stand-in that reads every byte of each batch: "
                         "'sum64' (uint64 sum, memory speed on one thread) or 'crc32' (zlib, "
                         f"~3 GB/s) (default {DEFAULT_CONSUMER})")
-    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--wait-quiet", type=options.number(0, above=False), default=0.0, metavar="SECONDS",
                         help="before each repetition, wait up to SECONDS until other processes use "
                         f"< {BUSY_CORES} cores, and redo (up to {BUSY_RETRIES} times) a timed or memory repetition "
                         "during which they used more; the busy one stays in the JSON with phase "
@@ -577,48 +578,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
-    base = QUICK if args.quick else FULL
-    for key, value in base.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = sorted(set(args.workloads) - set(WORKLOADS))
-    if unknown or not args.workloads:
-        parser.error(f"--workloads: unknown {unknown}; choose from {','.join(WORKLOADS)}")
-    try:
-        args.decode_batch_sizes = [int(v) for v in str(args.decode_batch_sizes).split(",") if v.strip()]
-    except ValueError:
-        parser.error(f"--decode-batch-sizes must be integers, got {args.decode_batch_sizes!r}")
-    for name in ("reps", "num_workers", "transport_batch_size", "captions_batch_size", "clip_bank",
-                 "num_images"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.mem_reps < 0 or args.min_seconds <= 0 or args.warmup_seconds <= 0 or args.wait_quiet < 0:
-        parser.error("--mem-reps and --wait-quiet must be >= 0, --min-seconds and --warmup-seconds > 0")
-    if not args.decode_batch_sizes or min(args.decode_batch_sizes) < 1:
-        parser.error("--decode-batch-sizes needs positive integers")
-    try:
-        shape = [int(v) for v in args.clip_shape.split(",")]
-    except ValueError:
-        shape = []
-    if not shape or min(shape) < 1:
-        parser.error(f"--clip-shape must be positive integers separated by commas, got {args.clip_shape!r}")
-    args.clip_modes = [m.strip() for m in str(args.clip_modes).split(",") if m.strip()]
-    if not args.clip_modes or set(args.clip_modes) - {"view", "clone", "numpy", "bytes"}:
-        parser.error(f"--clip-modes: choose from view,clone,numpy,bytes; got {args.clip_modes}")
+    parser.set_defaults(**FULL)
+    args = options.parse(parser, argv, QUICK)
     args.cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return args
 
 
+@options.command
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.cores = env.usable_cores()
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    program = [sys.argv[0]] if argv is None and not sys.argv[0].endswith("__main__.py") else [
+        "python", "-m", "fastmm.bench"]  # a command that runs it again
     environment = env.capture(
-        [sys.argv[0], *(sys.argv[1:] if argv is None else argv)],
+        [*program, *(sys.argv[1:] if argv is None else argv)],
         loader_config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))},
         paths=[str(args.cache_dir)],
     )
@@ -648,7 +624,7 @@ def main(argv=None) -> int:
             "transport_batch_size": args.transport_batch_size,
             "captions_batch_size": args.captions_batch_size,
             "decode_batch_sizes": args.decode_batch_sizes,
-            "clip_shape": [int(v) for v in args.clip_shape.split(",")],
+            "clip_shape": args.clip_shape,
             "clip_bank": args.clip_bank,
             "clip_modes": args.clip_modes,
             "num_images": args.num_images,

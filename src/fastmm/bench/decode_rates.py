@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from . import env, stats
+from . import env, options, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec, read_frame_index
 from .pipelines import _clip_spec, _files, ensure_mmcorpus
@@ -260,23 +260,22 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.decode_rates", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join("bench-out", "decode-rates"))
-    p.add_argument("--images", type=int, default=400)
-    p.add_argument("--videos", type=int, default=12)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--min-seconds", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--out", type=options.directory, default=os.path.join("bench-out", "decode-rates"))
+    p.add_argument("--images", type=options.whole(1), default=400)
+    p.add_argument("--videos", type=options.whole(1), default=12)
+    p.add_argument("--reps", type=options.whole(1), default=5)
+    p.add_argument("--min-seconds", type=options.number(0), default=1.0)
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run")
     p.add_argument("--accelerator", default="cuda",
                    help="device of the GPU arms: cuda (used when present); cpu only to test this "
                         "script's own plumbing, its 'GPU' figures then being CPU ones")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.images, args.videos, args.reps, args.min_seconds = 40, 3, 2, 0.1
+    args = options.parse(p, argv, {"images": 40, "videos": 3, "reps": 2, "min_seconds": 0.1})
     result = run(args)
     save(args.out, "decode_rates", result, report(result))
     return 0

@@ -22,10 +22,14 @@ import torch
 from torch.utils.data import Dataset
 
 from ..telemetry import Telemetry
-from . import env, harness, stats
+from . import env, harness, options, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, TorchImageDataset, _files, ensure_mmcorpus, media
+
+# the repository's step config (a source checkout: scripts/setup installs fastmm editable)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+STEP = os.path.join(REPO, "benchmarks", "steps", "image-224-small.toml")
 
 COMPUTE_MODES = ("none", "sleep", "cpu", "cuda")
 DATASETS = ("torch-pil", "fastmm-pil", "fastmm-fast")
@@ -80,8 +84,15 @@ class Config:
 
     @classmethod
     def load(cls, path: str) -> "Config":
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
+        """The config in ``path``; ValueError saying what is missing or wrong."""
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+        missing = [t for t in ("step", "data", "loader", "experiment") if t not in raw]
+        if missing:
+            raise ValueError(f"{path}: no [{'], ['.join(missing)}] table")
         ab = [(a["factor"], a["value"]) for a in raw.get("ab", [])]
         for factor, value in ab:
             if factor not in FACTORS:
@@ -89,10 +100,15 @@ class Config:
             if factor == "dataset" and value not in DATASETS:
                 raise ValueError(f"{path}: dataset {value!r}; use one of {DATASETS}")
         e = raw["experiment"]
-        if e["reps"] < 5:
-            raise ValueError(f"{path}: reps = {e['reps']}; the method asks for at least 5")
-        return cls(Step(**raw["step"]), raw["data"], raw["loader"], e["reps"],
-                   e["warmup_batches"], e["batches"], ab)
+        try:
+            if e["reps"] < 5:
+                raise ValueError(f"{path}: reps = {e['reps']}; the method asks for at least 5")
+            return cls(Step(**raw["step"]), raw["data"], raw["loader"], e["reps"],
+                       e["warmup_batches"], e["batches"], ab)
+        except KeyError as missing_key:
+            raise ValueError(f"{path}: [experiment] has no {missing_key}") from None
+        except TypeError as err:  # a key [step] does not know, or one it lacks
+            raise ValueError(f"{path}: [step]: {err}") from None
 
 
 class ModelStep:
@@ -526,14 +542,18 @@ def _jsonable(result: dict) -> dict:
     return clean(result)
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.experiment", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join("benchmarks", "steps", "image-224-small.toml"))
-    p.add_argument("--out", default=os.path.join("bench-out", "experiment"))
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--config", default=STEP, help=f"(default {STEP})")
+    p.add_argument("--out", type=options.directory, default=os.path.join("bench-out", "experiment"))
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     args = p.parse_args(argv)
-    cfg = Config.load(args.config)
+    try:
+        cfg = Config.load(args.config)
+    except ValueError as e:
+        p.error(f"argument --config: {e}")
     os.makedirs(args.out, exist_ok=True)
     result = _jsonable(run(cfg, args))
     with open(os.path.join(args.out, "experiment.json"), "w") as f:

@@ -31,6 +31,8 @@ from typing import Callable
 
 import numpy as np
 
+from . import options
+
 MMCORPUS_VERSION = 1  # bump when the generator's output changes
 
 # Photos in scikit-image's wheel that load without a network (checked for 0.26.0).
@@ -495,11 +497,12 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(x) for x in p.lower().split("x")) for p in text.split(","))
 
 
+@options.command
 def main(argv=None) -> int:
     d = CorpusSpec()
     ap = argparse.ArgumentParser(prog="python -m fastmm.bench.mmcorpus",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--out", type=options.directory, required=True, help="output directory")
     ap.add_argument("--images", type=int, default=d.num_images)
     ap.add_argument("--videos", type=int, default=d.num_videos)
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -517,7 +520,7 @@ def main(argv=None) -> int:
     ap.add_argument("--video-sizes", default=",".join(f"{w}x{h}" for w, h in d.video_sizes))
     ap.add_argument("--keyint", default=",".join(map(str, d.video_keyint)))
     ap.add_argument("--photos", choices=("auto", "skimage", "procedural"), default=d.photos)
-    ap.add_argument("--processes", type=int, default=0, help="0: every CPU")
+    ap.add_argument("--processes", type=options.whole(0), default=0, help="0: every CPU")
     a = ap.parse_args(argv)
     try:
         spec = CorpusSpec(

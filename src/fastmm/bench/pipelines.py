@@ -53,7 +53,7 @@ import time
 import torch
 from torch.utils.data import Dataset
 
-from . import harness, stats
+from . import env, harness, options, stats
 from .corpus import default_cache_dir
 from .env import library_versions
 from .mmcorpus import MMCORPUS_VERSION, CorpusSpec, write_corpus
@@ -432,7 +432,7 @@ def run(args) -> dict:
     spec = CorpusSpec(num_images=args.images, num_videos=args.videos, seed=args.seed)
     root = ensure_mmcorpus(spec, args.cache_dir)
     consume = CONSUMERS["sum64"][0]
-    out = {"command": " ".join(sys.argv), "corpus": json.load(open(os.path.join(
+    out = {"command": " ".join(env.module_argv(__spec__, __name__)), "corpus": json.load(open(os.path.join(
         root, "composition.json"))), "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "torch": torch.__version__, "versions": library_versions(),
         "cases": {}}
@@ -504,27 +504,25 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.pipelines", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-out/pipelines")
-    p.add_argument("--workloads", default="image,video")
-    p.add_argument("--images", type=int, default=1500)
-    p.add_argument("--videos", type=int, default=24)
-    p.add_argument("--image-batch", type=int, default=64)
-    p.add_argument("--video-batch", type=int, default=8)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--min-seconds", type=float, default=5.0)
-    p.add_argument("--warmup-seconds", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--out", type=options.directory, default="bench-out/pipelines")
+    p.add_argument("--workloads", type=options.listed(str, ("image", "video")), default="image,video")
+    p.add_argument("--images", type=options.whole(1), default=1500)
+    p.add_argument("--videos", type=options.whole(1), default=24)
+    p.add_argument("--image-batch", type=options.whole(1), default=64)
+    p.add_argument("--video-batch", type=options.whole(1), default=8)
+    p.add_argument("--num-workers", type=options.whole(1), default=2)
+    p.add_argument("--reps", type=options.whole(1), default=3)
+    p.add_argument("--min-seconds", type=options.number(0), default=5.0)
+    p.add_argument("--warmup-seconds", type=options.number(0), default=2.0)
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run: small corpus, short reps")
-    args = p.parse_args(argv)
-    args.workloads = args.workloads.split(",")
-    if args.quick:
-        args.images, args.videos, args.reps = 64, 4, 1
-        args.min_seconds = args.warmup_seconds = 0.5
+    args = options.parse(p, argv, {"images": 64, "videos": 4, "reps": 1, "min_seconds": 0.5,
+                                   "warmup_seconds": 0.5})
     result = run(args)
     save(args.out, "pipelines", result, report(result))
     return 0

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import stats
+from . import env, options, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus, media
@@ -82,7 +82,7 @@ def run(args) -> dict:
                 print(f"rep {rep + 1}/{args.reps}: {way} after {stop} batches: {t:.2f} s",
                       file=sys.stderr, flush=True)
     return {
-        "command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
+        "command": " ".join(env.module_argv(__spec__, __name__)), "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "torch": torch.__version__, "images": args.images,
         "shards": json.load(open(os.path.join(root, "composition.json")))["counts"]["shards"],
         "batch_size": args.batch, "num_workers": args.num_workers,
@@ -107,25 +107,24 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.resume_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-out/resume-cost")
-    p.add_argument("--images", type=int, default=1500)
-    p.add_argument("--shard-bytes", type=int, default=4_000_000)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--fractions", default="0.25,0.5,0.75",
+    p.add_argument("--out", type=options.directory, default="bench-out/resume-cost")
+    p.add_argument("--images", type=options.whole(1), default=1500)
+    p.add_argument("--shard-bytes", type=options.whole(1), default=4_000_000)
+    p.add_argument("--batch", type=options.whole(1), default=32)
+    p.add_argument("--num-workers", type=options.whole(1), default=2)
+    p.add_argument("--fractions", type=options.listed(options.number(0, below=1)),
+                   default="0.25,0.5,0.75",
                    help="where in the epoch to resume, as fractions of it")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--reps", type=options.whole(1), default=3)
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run: small corpus, one rep")
-    args = p.parse_args(argv)
-    args.fractions = [float(f) for f in args.fractions.split(",")]
-    if args.quick:
-        args.images, args.shard_bytes, args.batch, args.reps = 64, 400_000, 8, 1
-        args.fractions = [0.5]
+    args = options.parse(p, argv, {"images": 64, "shard_bytes": 400_000, "batch": 8, "reps": 1,
+                                   "fractions": [0.5]})
     result = run(args)
     save(args.out, "resume_cost", result, report(result))
     return 0

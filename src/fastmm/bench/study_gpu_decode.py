@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..telemetry import Telemetry
-from . import env, harness, stats
+from . import env, harness, options, stats
 from .corpus import default_cache_dir
 from .experiment import ModelStep
 from .mmcorpus import CorpusSpec
@@ -201,23 +201,22 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_gpu_decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join("bench-out", "study-gpu-decode"))
-    p.add_argument("--images", type=int, default=400)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--compute-ms", type=float, default=40.0)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup-batches", type=int, default=2)
-    p.add_argument("--batches", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--out", type=options.directory, default=os.path.join("bench-out", "study-gpu-decode"))
+    p.add_argument("--images", type=options.whole(1), default=400)
+    p.add_argument("--batch", type=options.whole(1), default=32)
+    p.add_argument("--num-workers", type=options.whole(1), default=2)
+    p.add_argument("--compute-ms", type=options.number(0, above=False), default=40.0)
+    p.add_argument("--reps", type=options.whole(1), default=5)
+    p.add_argument("--warmup-batches", type=options.whole(0), default=2)
+    p.add_argument("--batches", type=options.whole(1), default=10)
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.images, args.batch, args.batches, args.warmup_batches = 64, 8, 3, 1
+    args = options.parse(p, argv, {"images": 64, "batch": 8, "batches": 3, "warmup_batches": 1})
     result = run(args)
     save(args.out, "gpu_decode", result, report(result))
     return 0

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from . import env, harness, stats
+from . import env, harness, options, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
@@ -243,6 +243,7 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@options.command
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--rank-job":
@@ -251,24 +252,21 @@ def main(argv=None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_shards", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join("bench-out", "study-shards"))
-    p.add_argument("--images", type=int, default=400)
-    p.add_argument("--shard-bytes", default="1000000,8000000,64000000")
-    p.add_argument("--worlds", default="2,4")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--num-workers", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5, help="repetitions, interleaved (default 5)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
-    p.add_argument("--work-dir", default=None)
+    p.add_argument("--out", type=options.directory, default=os.path.join("bench-out", "study-shards"))
+    p.add_argument("--images", type=options.whole(1), default=400)
+    p.add_argument("--shard-bytes", type=options.listed(options.whole(1)),
+                   default="1000000,8000000,64000000")
+    p.add_argument("--worlds", type=options.listed(options.whole(1)), default="2,4")
+    p.add_argument("--batch", type=options.whole(1), default=16)
+    p.add_argument("--num-workers", type=options.whole(1), default=1)
+    p.add_argument("--epochs", type=options.whole(1), default=2)
+    p.add_argument("--reps", type=options.whole(1), default=5, help="repetitions, interleaved (default 5)")
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
+    p.add_argument("--work-dir", type=options.directory, default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: 48 images, world 2")
-    args = p.parse_args(argv)
-    args.shard_bytes = [int(x) for x in args.shard_bytes.split(",")]
-    args.worlds = [int(x) for x in args.worlds.split(",")]
-    if args.quick:
-        args.images, args.worlds, args.shard_bytes, args.batch = 48, [2], [300_000, 2_000_000], 8
-        args.reps = 2
+    args = options.parse(p, argv, {"images": 48, "worlds": [2], "shard_bytes": [300_000, 2_000_000],
+                                   "batch": 8, "reps": 2})
     result = run(args)
     save(args.out, "shards", result, report(result))
     return 0 if all("error" not in r for r in result["results"].values()) else 1

@@ -30,7 +30,7 @@ import zlib
 import torch
 from torch.utils.data import Dataset
 
-from . import env, stats
+from . import env, options, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
@@ -224,23 +224,22 @@ def report(result: dict) -> str:
     ]) + "\n"
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_staging", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join("bench-out", "study-staging"))
-    p.add_argument("--images", type=int, default=400)
-    p.add_argument("--mb-per-s", type=float, default=20.0, help="slow storage bandwidth")
-    p.add_argument("--latency-ms", type=float, default=5.0, help="per request")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
-    p.add_argument("--work-dir", default=None, help="where the staging copies go (local disk)")
+    p.add_argument("--out", type=options.directory, default=os.path.join("bench-out", "study-staging"))
+    p.add_argument("--images", type=options.whole(1), default=400)
+    p.add_argument("--mb-per-s", type=options.number(0), default=20.0, help="slow storage bandwidth")
+    p.add_argument("--latency-ms", type=options.number(0, above=False), default=5.0, help="per request")
+    p.add_argument("--batch", type=options.whole(1), default=32)
+    p.add_argument("--num-workers", type=options.whole(1), default=2)
+    p.add_argument("--reps", type=options.whole(1), default=5)
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
+    p.add_argument("--work-dir", type=options.directory, default=None, help="where the staging copies go (local disk)")
     p.add_argument("--quick", action="store_true", help="smoke run: 48 images, 5 short reps")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.images, args.mb_per_s = 48, 40.0
+    args = options.parse(p, argv, {"images": 48, "mb_per_s": 40.0})
     result = run(args)
     save(args.out, "staging", result, report(result))
     return 0

@@ -26,11 +26,11 @@ import subprocess
 import sys
 import time
 
+from . import options
+from .experiment import STEP
 from .corpus import default_cache_dir
 
-# the repository's benchmarks/ (a source checkout: scripts/setup installs fastmm editable)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-STEP = os.path.join(REPO, "benchmarks", "steps", "image-224-small.toml")
+PARTS = ("loader", "experiment", "staging", "gpu-decode", "shards")
 
 
 def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]:
@@ -50,7 +50,7 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
     return [
         ("loader", py + ["fastmm.bench", "--out", os.path.join(out, "loader"),
                          "--cache-dir", cache, *loader], os.path.join("loader", "summary.md")),
-        ("experiment", py + ["fastmm.bench.experiment", "--config", _step(quick, out),
+        ("experiment", py + ["fastmm.bench.experiment", "--config", _step_path(quick, out),
                              "--out", os.path.join(out, "experiment"), "--cache-dir", cache],
          os.path.join("experiment", "report.html")),
         ("staging", py + ["fastmm.bench.study_staging", "--out", os.path.join(out, "staging"),
@@ -63,10 +63,12 @@ def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]
     ]
 
 
-def _step(quick: bool, out: str) -> str:
-    """The step config; a smaller copy of it for --quick."""
-    if not quick:
-        return STEP
+def _step_path(quick: bool, out: str) -> str:
+    """The step config; for --quick, the smaller copy _write_quick_step makes."""
+    return os.path.join(out, "quick-step.toml") if quick else STEP
+
+
+def _write_quick_step(out: str) -> None:
     import tomllib
 
     with open(STEP) as f:
@@ -74,24 +76,24 @@ def _step(quick: bool, out: str) -> str:
     tomllib.loads(text)  # it must parse before numbers in it are edited
     small = (text.replace("images = 400", "images = 64").replace("batches = 24", "batches = 4")
              .replace("per_device_batch = 32", "per_device_batch = 8"))
-    path = os.path.join(out, "quick-step.toml")
-    with open(path, "w") as f:
+    with open(_step_path(True, out), "w") as f:
         f.write(small)
-    return path
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.suite", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-out")
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--out", type=options.directory, default="bench-out")
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run of every part")
-    p.add_argument("--only", default="",
-                   help="comma-separated subset of loader,experiment,staging,gpu-decode,shards")
+    p.add_argument("--only", type=options.listed(str, PARTS), default=",".join(PARTS),
+                   help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    chosen = [x for x in args.only.split(",") if x]
-    todo = [x for x in parts(args.out, args.cache_dir, args.quick) if not chosen or x[0] in chosen]
+    todo = [x for x in parts(args.out, args.cache_dir, args.quick) if x[0] in args.only]
+    if args.quick and "experiment" in args.only:
+        _write_quick_step(args.out)
     results, t0 = [], time.perf_counter()
     for i, (name, cmd, report) in enumerate(todo, 1):
         print(f"== [{i}/{len(todo)}] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..telemetry import Telemetry
-from . import harness, stats
+from . import env, harness, options, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, TorchImageDataset, _files, ensure_mmcorpus
@@ -58,7 +58,7 @@ def run(args) -> dict:
     root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=args.videos,
                                       seed=args.seed), args.cache_dir)
     consume = CONSUMERS["sum64"][0]
-    out = {"command": " ".join(sys.argv), "cases": {}}
+    out = {"command": " ".join(env.module_argv(__spec__, __name__)), "cases": {}}
     for case, loaders in _datasets(root).items():
         if case not in args.workloads:
             continue
@@ -133,26 +133,24 @@ def _arm_lines(arms: dict, ratios: dict, fmt: str) -> list[str]:
     return lines
 
 
+@options.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.telemetry_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-out/telemetry-cost")
-    p.add_argument("--workloads", default="images,tiny")
-    p.add_argument("--images", type=int, default=1500)
-    p.add_argument("--videos", type=int, default=24)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--min-seconds", type=float, default=4.0)
-    p.add_argument("--warmup-seconds", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=str(default_cache_dir()))
+    p.add_argument("--out", type=options.directory, default="bench-out/telemetry-cost")
+    p.add_argument("--workloads", type=options.listed(str, ("images", "tiny")), default="images,tiny")
+    p.add_argument("--images", type=options.whole(1), default=1500)
+    p.add_argument("--videos", type=options.whole(1), default=24)
+    p.add_argument("--batch", type=options.whole(1), default=64)
+    p.add_argument("--num-workers", type=options.whole(1), default=2)
+    p.add_argument("--reps", type=options.whole(1), default=5)
+    p.add_argument("--min-seconds", type=options.number(0), default=4.0)
+    p.add_argument("--warmup-seconds", type=options.number(0), default=1.0)
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run: small corpus, short reps")
-    args = p.parse_args(argv)
-    args.workloads = args.workloads.split(",")
-    if args.quick:
-        args.images, args.videos, args.reps = 64, 4, 1
-        args.min_seconds, args.warmup_seconds = 0.5, 0.25
+    args = options.parse(p, argv, {"images": 64, "videos": 4, "reps": 1, "min_seconds": 0.5,
+                                   "warmup_seconds": 0.25})
     result = run(args)
     save(args.out, "telemetry_cost", result, report(result))
     return 0
