@@ -116,6 +116,18 @@ def test_rank_and_world_size_come_from_the_torchrun_environment(monkeypatch):
     assert fastmm.DistributedSampler(range(10)).num_replicas == 1  # one process
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_each_pass_of_a_loader_takes_the_next_epoch_without_batching(num_workers):
+    """batch_size=None: the loader iterates the sampler itself, and makes iterators it never
+    draws from; only a pass taken advances the epoch."""
+    ours = fastmm.DistributedSampler(range(12), num_replicas=2, rank=0)
+    loader = fastmm.DataLoader(range(12), sampler=ours, batch_size=None, num_workers=num_workers)
+    for epoch in range(3):
+        theirs = torch.utils.data.DistributedSampler(range(12), num_replicas=2, rank=0)
+        theirs.set_epoch(epoch)
+        assert [int(x) for x in loader] == list(theirs), epoch
+
+
 def test_set_epoch_rules_as_in_torch():
     ours = fastmm.DistributedSampler(range(20), num_replicas=2, rank=1, seed=7)
     theirs = torch.utils.data.DistributedSampler(range(20), num_replicas=2, rank=1, seed=7)

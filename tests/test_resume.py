@@ -171,6 +171,19 @@ def test_resume_with_a_distributed_sampler_per_rank():
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_with_a_distributed_sampler_inside_a_batch_sampler(num_workers):
+    """The sampler that draws is the one inside the batch sampler (the loader's own .sampler is
+    a default one then): its epoch travels, or a resumed epoch 2 replays epoch 1's order."""
+    def make():
+        ds = Augmented()
+        sampler = fastmm.DistributedSampler(ds, num_replicas=2, rank=1, seed=9)
+        return fastmm.DataLoader(ds, batch_sampler=torch.utils.data.BatchSampler(sampler, 3, False),
+                                 num_workers=num_workers)
+
+    _check_resume_everywhere(make, _stops)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_an_iterable_dataset(num_workers):
     def make():
         return fastmm.DataLoader(AugmentedStream(), batch_size=3, num_workers=num_workers)
@@ -452,15 +465,20 @@ def test_resuming_mid_epoch_with_other_settings_raises():
         shorter.load_state_dict(state)
 
 
-def test_resuming_mid_epoch_on_another_world_size_raises():
+@pytest.mark.parametrize("inside", [False, True], ids=["sampler", "in a batch sampler"])
+def test_resuming_mid_epoch_on_another_world_size_raises(inside):
     def make(world, rank):
         ds = Augmented()
-        return fastmm.DataLoader(ds, batch_size=3, num_workers=0, sampler=fastmm.DistributedSampler(
-            ds, num_replicas=world, rank=rank))
+        sampler = fastmm.DistributedSampler(ds, num_replicas=world, rank=rank)
+        if inside:
+            return fastmm.DataLoader(ds, num_workers=0, batch_sampler=torch.utils.data.BatchSampler(sampler, 3, False))
+        return fastmm.DataLoader(ds, batch_size=3, num_workers=0, sampler=sampler)
 
     _, state, _ = _batches(make(4, 1), 2)
     with pytest.raises(ValueError, match=r"world: saved \[1, 4\], now \[1, 2\]"):
         make(2, 1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"world: saved \[1, 4\], now \[0, 4\]"):
+        make(4, 0).load_state_dict(state)
 
 
 def test_a_state_at_an_epoch_boundary_moves_to_another_worker_count():

@@ -180,6 +180,22 @@ class _LogKeys:
         return keys
 
 
+def test_a_stream_state_refuses_another_rank_or_world_size_mid_epoch(shards):
+    """Another slot's place would skip samples it never handed out: refused, by name."""
+    def make(rank, world):
+        stream = fastmm.ShardStream(_dataset(shards), rank=rank, world_size=world, seed=1)
+        return fastmm.DataLoader(stream, batch_size=4, num_workers=0)
+
+    saved = make(1, 2)
+    it = iter(saved)
+    next(it), next(it)
+    state = saved.state_dict()
+    for rank, world in ((0, 2), (0, 3)):
+        with pytest.raises(ValueError, match=rf"world: saved \[1, 2\], now \[{rank}, {world}\]"):
+            make(rank, world).load_state_dict(state)
+    make(1, 2).load_state_dict(state)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_resumed_stream_counts_each_bad_sample_once(shards, tmp_path, num_workers):
     """The resumed stream goes on from each slot's position (nothing handed out is read

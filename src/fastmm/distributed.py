@@ -33,10 +33,13 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         super().set_epoch(epoch)
 
     def __iter__(self):
-        indices = super().__iter__()  # drawn for self.epoch now
+        """A pass: drawn for ``self.epoch`` at its first index, not when made (a loader makes
+        iterators it never draws from: batch_size=None, workers), so only a pass taken
+        advances the epoch."""
+        indices = super().__iter__()
         if not self._epoch_set:
             self.epoch += 1  # the next pass reshuffles, the same way on every rank
-        return indices
+        yield from indices
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "epoch_set": self._epoch_set,

@@ -207,10 +207,17 @@ def _set_state(generator: torch.Generator, state: bytes) -> None:
     generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
+def _samplers(loader) -> list:
+    """The loader's batch sampler, the sampler inside it, and its sampler (a default one when
+    ``batch_sampler=`` was given: the one inside the batch sampler is what draws then)."""
+    batch_sampler = loader.batch_sampler
+    return [batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler]
+
+
 def sampler_generator(loader) -> torch.Generator | None:
     """The sampler's own generator (``RandomSampler(..., generator=g)``), if it is not the
     loader's: its state must travel too, or a resumed epoch repeats the first epoch's order."""
-    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+    for sampler in _samplers(loader)[1:]:
         g = getattr(sampler, "generator", None)
         if isinstance(g, torch.Generator) and g is not loader.generator:
             return g
@@ -478,10 +485,7 @@ def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
 
 
 def _sampler_with_state(loader):
-    for sampler in (loader.batch_sampler, loader.sampler):
-        if _stateful(sampler):
-            return sampler
-    return None
+    return next((sampler for sampler in _samplers(loader) if _stateful(sampler)), None)
 
 
 class SamplerTap:
@@ -549,9 +553,12 @@ def _chain(first, rest):
 
 
 def _world(loader) -> list[int] | None:
-    sampler = loader.sampler
-    if hasattr(sampler, "num_replicas") and hasattr(sampler, "rank"):
-        return [int(sampler.rank), int(sampler.num_replicas)]
+    """This rank's place, from a distributed sampler, or a stream that splits by rank."""
+    for part in (*_samplers(loader), loader.dataset):
+        if hasattr(part, "num_replicas") and hasattr(part, "rank"):
+            return [int(part.rank), int(part.num_replicas)]
+        if hasattr(part, "world_size") and hasattr(part, "rank"):
+            return [int(part.rank), int(part.world_size)]
     return None
 
 
