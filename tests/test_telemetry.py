@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -588,6 +590,41 @@ def test_environment_exports_also_when_the_loop_stops_early(monkeypatch, tmp_pat
                 written.write_text("")  # the export directory became a file mid-epoch
             if step == 1:
                 break
+
+
+def test_environment_watched_iterator_is_the_loaders_and_exports_at_exit(monkeypatch, tmp_path):
+    """FASTMM_TELEMETRY changes nothing a loop sees: the iterator has len() and the loader
+    iterator's attributes, a caught error leaves the epoch going on (as in torch); an epoch
+    still open when the interpreter exits (a module-level iterator, a step budget) is exported
+    then, quietly."""
+    monkeypatch.setenv("FASTMM_TELEMETRY", "summary")
+    monkeypatch.setenv("FASTMM_TELEMETRY_DIR", str(tmp_path / "in-process"))
+
+    class FailsOnce(Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            if i == 5:
+                raise ValueError("sample 5")
+            return i
+
+    it = iter(fastmm.DataLoader(FailsOnce(), batch_size=4, num_workers=0))
+    assert len(it) == 3 and it._num_yielded == 0
+    assert next(it).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="sample 5"):
+        next(it)
+    assert next(it).tolist() == [8, 9, 10, 11] and it._num_yielded == 2  # as torch counts
+
+    script = ("import fastmm\n"
+              "it = iter(fastmm.DataLoader(list(range(40)), batch_size=4, num_workers=2))\n"
+              "for _ in range(3):\n    next(it)\n")
+    env = dict(os.environ, FASTMM_TELEMETRY_DIR=str(tmp_path / "at-exit"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "Exception ignored" not in done.stderr, done.stderr
+    summary = json.load(open(tmp_path / "at-exit" / "loader0" / "summary.json"))
+    assert summary["batches"] == 3 and summary["samples"] == 12
 
 
 def test_unwatch_gives_the_loader_back(loader_cls):

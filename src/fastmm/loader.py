@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -50,7 +51,7 @@ from .dataset import skip_counters
 from .slabs import SlabRing, open_files_guard
 from .stream import ShardStream
 from .telemetry import Telemetry
-from .telemetry.recorder import unwatched
+from .telemetry.recorder import _Forwarding, unwatched
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 log = logging.getLogger("fastmm")
@@ -127,7 +128,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             tm = self.__dict__["_fastmm_telemetry"] = Telemetry(trace=config.mode == "trace")
             self.__dict__["_fastmm_telemetry_name"] = _telemetry_name()
         directory = os.path.join(directory, self.__dict__["_fastmm_telemetry_name"])
-        return _exported(tm, tm.watch(self, _iterate=super().__iter__), directory)
+        return _ExportedEpoch(tm, iter(tm.watch(self, _iterate=super().__iter__)), directory)
 
     def _get_iterator(self):
         restore = self.__dict__.pop("_fastmm_restore", None)
@@ -174,25 +175,59 @@ def _telemetry_name() -> str:
 _EXPORT_EVERY_S = 300.0
 
 
-def _exported(tm: Telemetry, watched, directory: str):
-    """The epoch's batches; the exports are written when it ends, however it ends (a loop that
-    breaks out, an error), and the summary and time series every _EXPORT_EVERY_S meanwhile
-    (a pretraining loop may stop by step count and never finish an epoch). A failed write is
-    a warning: telemetry never stops the training."""
-    epoch = iter(watched)
-    due = time.monotonic() + _EXPORT_EVERY_S
-    try:
-        for batch in epoch:
-            if time.monotonic() >= due:
-                _export(tm, directory, trace=False)
-                due = time.monotonic() + _EXPORT_EVERY_S
-            yield batch
-    finally:
-        epoch.close()  # the epoch's own bookkeeping first (sampler stopped, wall time)
-        if not sys.is_finalizing():
-            paths = _export(tm, directory, trace=True)
-            if paths:
-                print(f"fastmm telemetry: {', '.join(paths.values())}", file=sys.stderr)
+class _ExportedEpoch(_Forwarding):
+    """The epoch's iterator (len() and attributes as the loader's own); the exports are written
+    when it ends, however it ends (it runs out, the loop breaks out or lets go of it, the
+    interpreter exits mid-epoch), the summary and time series also when a batch fails and every
+    _EXPORT_EVERY_S meanwhile (a pretraining loop may stop by step count and never finish an
+    epoch). A failed write is a warning: telemetry never stops the training."""
+
+    _OWN = ("_epoch", "_tm", "_directory", "_due", "_closed")
+
+    def __init__(self, tm: Telemetry, epoch, directory: str):
+        self._epoch, self._tm, self._directory = epoch, tm, directory
+        self._due = time.monotonic() + _EXPORT_EVERY_S
+        self._closed = False
+        _OPEN_EXPORTS.add(self)
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self._epoch)
+
+    def __next__(self):
+        try:
+            batch = next(self._epoch)
+        except StopIteration:
+            self.close()
+            raise
+        except Exception:  # the loop may go on, or end here with the iterator in a traceback
+            _export(self._tm, self._directory, trace=False)
+            raise
+        if time.monotonic() >= self._due:
+            _export(self._tm, self._directory, trace=False)
+            self._due = time.monotonic() + _EXPORT_EVERY_S
+        return batch
+
+    def close(self) -> None:
+        if self._closed or sys.is_finalizing():  # (too late to write: modules are going)
+            return
+        self._closed = True
+        _OPEN_EXPORTS.discard(self)
+        self._epoch.close()  # the epoch's own bookkeeping first (sampler stopped, wall time)
+        paths = _export(self._tm, self._directory, trace=True)
+        if paths:
+            print(f"fastmm telemetry: {', '.join(paths.values())}", file=sys.stderr)
+
+    def __del__(self):
+        self.close()
+
+
+_OPEN_EXPORTS: weakref.WeakSet = weakref.WeakSet()
+# an epoch still open at exit (a loop stopped by step count, a module-level iterator) is
+# exported before the interpreter starts taking modules down
+atexit.register(lambda: [epoch.close() for epoch in list(_OPEN_EXPORTS)])
 
 
 def _export(tm: Telemetry, directory: str, trace: bool) -> dict[str, str] | None:

@@ -16,6 +16,7 @@ memory (recorder.py); a sampler thread reads processes and host (sampler.py).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -363,7 +364,8 @@ class _EpochIterator(_Forwarding):
             self._tm._end_epoch(self._it, self._t_iter, self._start, ran_out)
 
     def __del__(self):
-        self.close()
+        if not sys.is_finalizing():  # (too late for the figures: modules are going)
+            self.close()
 
 
 class _Mark:
