@@ -465,6 +465,32 @@ def test_resuming_mid_epoch_with_other_settings_raises():
         shorter.load_state_dict(state)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_that_keeps_its_place_instead_of_its_epoch_is_refused_not_replayed_short(
+        num_workers):
+    """torchdata's StatefulDistributedSampler keeps its place in the epoch (reset at the first
+    draw), so its state as an epoch begins is the last epoch's end: replayed, the epoch would be
+    empty. That is an error naming the sampler, not an epoch silently lost."""
+    sampler_module = pytest.importorskip("torchdata.stateful_dataloader.sampler")
+
+    def make():
+        ds = Augmented()
+        sampler = sampler_module.StatefulDistributedSampler(ds, num_replicas=2, rank=0, seed=1)
+        return fastmm.DataLoader(ds, sampler=sampler, batch_size=2, num_workers=num_workers)
+
+    first = make()
+    list(first)  # epoch 0 ran out: the sampler's place is at its end
+    first.sampler.set_epoch(1)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    resumed = make()
+    resumed.sampler.set_epoch(1)
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match="restored epoch has 0 batches, but 2 were handed out"):
+        list(resumed)
+
+
 @pytest.mark.parametrize("inside", [False, True], ids=["sampler", "in a batch sampler"])
 def test_resuming_mid_epoch_on_another_world_size_raises(inside):
     def make(world, rank):

@@ -532,10 +532,21 @@ class SamplerTap:
             if sampler is not None and replay.sampler_state is not None:
                 sampler.load_state_dict(replay.sampler_state)
             it = enumerate(iter(self._index_sampler))
+            drawn = 0
             for first in it:  # the batches handed out, up to the first one that was not
+                drawn = first[0] + 1
                 if first[0] >= first_missing and first[0] not in ahead:
                     break
             else:
+                if drawn < first_missing:
+                    raise ValueError(
+                        f"the restored epoch has {drawn} batches, but {first_missing} were handed "
+                        f"out before the state was saved: the sampler "
+                        f"({type(sampler or self._index_sampler).__name__}) does not replay its "
+                        "epoch from the state it had when the epoch began (torchdata's "
+                        "StatefulDistributedSampler keeps its place in the epoch instead). Use "
+                        "fastmm.DistributedSampler, or resume from a state saved between epochs."
+                    )
                 first = _END
         self._it = iter(()) if first is _END else _chain(
             first, (b for b in it if b[0] not in ahead))
