@@ -749,8 +749,7 @@ def test_a_terminated_study_removes_its_temporary_data_and_says_so(tmp_path):
     """SIGTERM (timeout, a scheduler) ends a study as Ctrl-C does: its finally clauses run."""
     import signal
 
-    work = tmp_path / "work"
-    work.mkdir()
+    work = tmp_path / "work"  # made by the study
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastmm.bench.study_shards", "--quick", "--out",
          str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--work-dir", str(work)],
@@ -765,3 +764,25 @@ def test_a_terminated_study_removes_its_temporary_data_and_says_so(tmp_path):
     assert proc.returncode == 130 and "interrupted" in said and "Traceback" not in said, said
     assert not list(work.iterdir())
     assert not (tmp_path / "out" / "shards.json").exists()
+
+
+def test_an_interrupted_bench_run_keeps_the_cases_that_finished(tmp_path):
+    import signal
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastmm.bench", "--quick", "--workloads", "transport",
+         "--clip-modes", "view,clone", "--clip-shape", "4,3,32,32", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said = []
+    for line in proc.stderr:  # the second case has begun: the first one is done
+        said.append(line)
+        if line.startswith("[transport-clone"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    said.append(proc.communicate(timeout=60)[1])
+    assert proc.returncode == 130, "".join(said)
+    results = json.loads((out / "results.json").read_text())
+    assert [c["name"] for c in results["cases"]] == ["transport-view-b32"]
+    assert results["interrupted"] == "after 1 of 2 cases"
+    assert "**Interrupted** after 1 of 2 cases" in (out / "summary.md").read_text()

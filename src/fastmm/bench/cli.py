@@ -642,8 +642,13 @@ def main(argv=None) -> int:
         "method": report.method(args.consume),
         "cases": [],
     }
-    for case in cases:
-        results["cases"].append(run_case(case, args))
+    try:
+        for case in cases:
+            results["cases"].append(run_case(case, args))
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the finished cases are kept
+        if not results["cases"]:
+            raise
+        results["interrupted"] = f"after {len(results['cases'])} of {len(cases)} cases"
     results["environment"]["loadavg_at_end"] = list(os.getloadavg())
     results["total_s"] = time.perf_counter() - started
     json_path = out / "results.json"
@@ -651,8 +656,9 @@ def main(argv=None) -> int:
     md_path = out / "summary.md"
     md_path.write_text(report.markdown(results))
     print(report.text(results))
-    _log(f"wrote {json_path} and {md_path} ({results['total_s']:.0f} s)")
-    return 0
+    _log(f"wrote {json_path} and {md_path} ({results['total_s']:.0f} s)"
+         + (f"; interrupted {results['interrupted']}" if "interrupted" in results else ""))
+    return 130 if "interrupted" in results else 0
 
 
 if __name__ == "__main__":

@@ -123,3 +123,13 @@ def command(main):
                 signal.signal(signal.SIGTERM, previous)
 
     return wrapped
+
+
+def temporary_directory(prefix: str, work_dir: str | None) -> str:
+    """A new directory for a run's temporary copies, under ``--work-dir`` (made if it is not
+    there yet; the system's temporary directory without one)."""
+    import tempfile
+
+    if work_dir:
+        os.makedirs(work_dir, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=work_dir)

@@ -328,6 +328,8 @@ def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoad
         f"Commit: `{commit}`{dirty}  ",
         f"Date: {env['timestamp_utc']}; total {results.get('total_s', 0):.0f} s",
         "",
+        *([f"**Interrupted** {results['interrupted']}: the cases below are the ones that "
+           "finished.", ""] if results.get("interrupted") else []),
         f"Environment: {env['cpu_model']}, {env['cpu_count_usable']} usable cores, "
         f"{env['ram_total_bytes'] / 2**30:.1f} GiB RAM, /dev/shm "
         f"{(env['dev_shm']['total_bytes'] or 0) / 2**30:.1f} GiB; Python {env['python']}, "

@@ -183,7 +183,7 @@ def summarize_runs(key: str, figs: list[dict], runs: dict[str, list]) -> dict:
 def run(args) -> dict:
     root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=0, seed=args.seed),
                            args.cache_dir)
-    work = tempfile.mkdtemp(prefix="fastmm-shards-", dir=args.work_dir)
+    work = options.temporary_directory("fastmm-shards-", args.work_dir)
     runs: dict[str, list] = {}
     ready: dict[str, float] = {}
     try:

@@ -137,7 +137,7 @@ def run(args) -> dict:
 
     root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=0, seed=args.seed),
                            args.cache_dir)
-    work = tempfile.mkdtemp(prefix="fastmm-staging-", dir=args.work_dir)
+    work = options.temporary_directory("fastmm-staging-", args.work_dir)
     try:
         remote = os.path.join(work, "remote")  # what the slow server publishes: the images
         shutil.copytree(os.path.join(root, "posix", "image"), os.path.join(remote, "image"))
