@@ -37,6 +37,7 @@ from .decode.base import CropPlan
 from .errors import FastmmWarning
 from .sources import Problem, Source, SourceError, open_source, source_kind
 from .telemetry import stage
+from .telemetry.recorder import sample_stage
 
 OnError = Literal["raise", "skip", "replace"]
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -438,7 +439,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
     def _get(self, index: int, *, count: bool = True):
         """The item at ``index`` under the policy; ``count=False`` for a sample tried again in
         the same epoch (ShardStream's padding), whose badness was counted the first time."""
-        with stage("sample"):
+        with sample_stage():
             return self._get_unmarked(index, count)
 
     def _get_unmarked(self, index: int, count: bool):

@@ -208,9 +208,18 @@ def stage(name: str):
     """``with stage("decode"): ...`` records how long the block took, in whatever process runs
     it, when a telemetry session watches the loader; otherwise it does nothing. Set ``.bytes``
     on the returned object to record bytes (for "read")."""
-    code = _CODE.get(name)
-    if code is None or name == "collate":  # the loader's collate_fn is timed already
+    if name not in STAGES[1:4]:  # a sample and the collate_fn are timed already
         raise ValueError(f"unknown stage {name!r}; use one of {STAGES[1:4]}")
+    return _stage(_CODE[name])
+
+
+def sample_stage():
+    """The whole of one sample, for a dataset that sets ``marks_sample_stage = True`` (then the
+    telemetry's wrapper does not time its samples itself, and counts each one once)."""
+    return _stage(_SAMPLE)
+
+
+def _stage(code: int):
     if _active is None:
         _NO_STAGE.bytes = 0
         return _NO_STAGE
