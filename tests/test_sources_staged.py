@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tarfile
@@ -18,6 +19,7 @@ import pytest
 
 from fastmm.config import ConfigError, SourceConfig
 from fastmm.sources.base import Progress
+from fastmm.sources.staged import corpus_dir_name
 from fastmm.sources import (
     PosixSource,
     ShardSource,
@@ -39,6 +41,13 @@ def _tree(root, n=6):
             with open(os.path.join(root, rel), "wb") as f:
                 f.write(data)
     return files
+
+
+def _copy_of(stage, remote) -> str:
+    """Where a corpus's copy lies: a directory of its own under the stage directory."""
+    remote = str(remote)
+    return os.path.join(str(stage), corpus_dir_name(
+        remote if remote.startswith("http") else os.path.abspath(remote)))
 
 
 def _listing(root):
@@ -66,10 +75,10 @@ def test_stage_before_then_reuse(tmp_path):
         cost["bytes"] / cost["seconds"]
     )
     for rel, data in files.items():
-        with open(os.path.join(stage, rel), "rb") as f:
+        with open(os.path.join(_copy_of(stage, remote), rel), "rb") as f:
             assert f.read() == data
     assert (
-        os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
+        os.listdir(os.path.join(_copy_of(stage, remote), ".fastmm-stage", "tmp")) == []
     )  # no temp files left behind
     again = StagedSource(remote, stage)  # already staged and verified: nothing copied
     assert (again.staging_cost["files"], again.staging_cost["bytes"]) == (0, 0)
@@ -103,11 +112,11 @@ def test_stage_on_touch(tmp_path):
     _tree(remote)
     src = StagedSource(remote, stage, mode="on_touch")
     assert src.keys() == PosixSource(remote).keys() and src.staging_cost["files"] == 0
-    assert not os.path.exists(os.path.join(stage, "part0"))
+    assert not os.path.exists(os.path.join(_copy_of(stage, remote), "part0"))
     sample = src.read(2)
     assert sample.members == PosixSource(remote).read(2).members
     assert src.staging_cost["files"] == 2
-    assert sorted(os.listdir(os.path.join(stage, "part0"))) == [
+    assert sorted(os.listdir(os.path.join(_copy_of(stage, remote), "part0"))) == [
         f"{sample.key.split('/')[1]}.{e}" for e in ("jpg", "txt")
     ]
     src.read(2)
@@ -117,7 +126,7 @@ def test_stage_on_touch(tmp_path):
     )  # as a worker process receives it: still stages on touch
     assert clone.read(3).members == PosixSource(remote).read(3).members
     assert clone.staging_cost["files"] == 4 and os.path.exists(
-        os.path.join(stage, clone.keys()[3] + ".jpg")
+        os.path.join(_copy_of(stage, remote), clone.keys()[3] + ".jpg")
     )
 
 
@@ -147,8 +156,8 @@ def test_checksum_mismatch_is_refused(tmp_path):
     with pytest.raises(SourceError) as e:
         StagedSource(remote, stage)
     assert (e.value.reason, e.value.key) == ("checksum", "part1/s1.jpg")
-    assert not os.path.exists(os.path.join(stage, "part1/s1.jpg"))
-    assert os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
+    assert not os.path.exists(os.path.join(_copy_of(stage, remote), "part1/s1.jpg"))
+    assert os.listdir(os.path.join(_copy_of(stage, remote), ".fastmm-stage", "tmp")) == []
 
 
 @pytest.mark.parametrize("mode", ["before", "on_touch"])
@@ -172,7 +181,7 @@ def test_a_file_that_fails_to_stage_is_its_samples_problem(tmp_path, mode):
     assert src.problems[-1][:2] == ("checksum", "part1/s1")
     sample = src.read(src.keys().index("part1/s1"))
     assert sample.members == {"txt": b"caption 1"} and src.skipped == {"checksum": 2}
-    assert not os.path.exists(os.path.join(stage, "part1/s1.jpg"))
+    assert not os.path.exists(os.path.join(_copy_of(stage, remote), "part1/s1.jpg"))
     with open(bad, "r+b") as f:
         f.write(files["part1/s1.jpg"][:1])  # mended
     assert src.read(src.keys().index("part1/s1")).members == {
@@ -305,7 +314,7 @@ def test_size_cap(tmp_path):
     ) as e:
         StagedSource(remote, stage, max_bytes=total - 1)
     assert e.value.reason == "stage_cap"
-    assert _listing(stage) <= {
+    assert _listing(_copy_of(stage, remote)) <= {
         ".fastmm-stage",
         ".fastmm-stage/locks",
         ".fastmm-stage/records",
@@ -383,7 +392,7 @@ def test_three_processes_stage_each_file_once(tmp_path, serve):
     assert sum(o["cost"]["files"] for o in outs) == len(paths)
     assert sum(o["cost"]["bytes"] for o in outs) == sum(os.path.getsize(p) for p in paths)
     assert all(o["n"] == 24 and o["last"] == samples[-1][1]["bin"].hex() for o in outs)
-    assert os.listdir(os.path.join(stage, ".fastmm-stage", "tmp")) == []
+    assert os.listdir(os.path.join(_copy_of(stage, url), ".fastmm-stage", "tmp")) == []
 
 
 def _send_half_then_stall(handler, source, outputfile):
@@ -402,10 +411,17 @@ def test_a_stager_killed_mid_copy_leaves_no_partial_copy(tmp_path, serve):
     samples = [(f"s{i:03d}", {"bin": os.urandom(1_000_000)}) for i in range(6)]
     write_shards(samples, remote, max_count=3)  # 3 MB shards: the first 1 MiB chunk lands
     write_file_manifest(remote)
-    stalling = serve(remote, copyfile=_send_half_then_stall)
-    proc = subprocess.Popen([sys.executable, "-c", _STAGER, stalling, stage, "0"],
+    stall = [True]
+
+    def copyfile(handler, source, outputfile):
+        if stall[0]:
+            return _send_half_then_stall(handler, source, outputfile)
+        return outputfile.write(source.read())
+
+    url = serve(remote, copyfile=copyfile)
+    proc = subprocess.Popen([sys.executable, "-c", _STAGER, url, stage, "0"],
                             stdout=subprocess.DEVNULL)
-    tmp = os.path.join(stage, ".fastmm-stage", "tmp")
+    tmp = os.path.join(_copy_of(stage, url), ".fastmm-stage", "tmp")
 
     def partial() -> int:
         names = os.listdir(tmp) if os.path.isdir(tmp) else []
@@ -417,7 +433,8 @@ def test_a_stager_killed_mid_copy_leaves_no_partial_copy(tmp_path, serve):
     proc.kill()
     proc.wait()
     assert partial() >= 1 << 20  # part of a shard, left by the killed stager
-    src = StagedSource(serve(remote), stage, inner="shards")
+    stall[0] = False  # the job starts again, from the same server
+    src = StagedSource(url, stage, inner="shards")
     assert os.listdir(tmp) == [] and _samples(src) == samples
 
 
@@ -477,7 +494,7 @@ def test_extract_never_writes_outside_stage_dir(tmp_path, on_error):
             StagedSource(str(remote), str(stage), extract=True, max_member_bytes=4096)
         after = _listing(str(tmp_path))
         assert {p for p in after - before if not p.startswith("stage")} == set()
-        assert not os.path.exists(stage / "data")
+        assert not os.path.exists(os.path.join(_copy_of(stage, remote), "data"))
         return
     src = StagedSource(
         str(remote), str(stage), extract=True, max_member_bytes=4096, on_error="skip"
@@ -485,7 +502,7 @@ def test_extract_never_writes_outside_stage_dir(tmp_path, on_error):
     after = _listing(str(tmp_path))
     assert {p for p in after - before if not p.startswith("stage")} == set()
     assert (tmp_path / "victim.txt").read_bytes() == b"untouched"
-    staged = {p for p in _listing(str(stage)) if not p.startswith(".fastmm-stage")}
+    staged = {p for p in _listing(_copy_of(stage, remote)) if not p.startswith(".fastmm-stage")}
     assert staged == {
         "data",
         "data/good",
@@ -494,7 +511,8 @@ def test_extract_never_writes_outside_stage_dir(tmp_path, on_error):
         "data/sym",
         "data/sym/through_link.txt",
     }
-    assert not any(os.path.islink(os.path.join(stage, p)) for p in _listing(str(stage)))
+    assert not any(os.path.islink(os.path.join(_copy_of(stage, remote), p))
+               for p in _listing(_copy_of(stage, remote)))
     assert src.skipped == {"unsafe_name": 3, "not_a_file": 4, "too_large": 1}
     assert [(s.key, s.members) for s in src.iter_samples()] == [
         ("data/good/a", {"jpg": b"good jpeg", "txt": b"good caption"}),
@@ -512,9 +530,9 @@ def test_config_precedence_and_bad_values(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTMM_SOURCE", "staged")
     monkeypatch.setenv("FASTMM_STAGE_DIR", str(tmp_path / "env_stage"))
     src = open_source(None, remote)  # both from the environment
-    assert isinstance(src, StagedSource) and src.stage_dir == str(tmp_path / "env_stage")
-    assert open_source(None, remote, stage_dir=str(tmp_path / "arg_stage")).stage_dir == str(
-        tmp_path / "arg_stage"
+    assert isinstance(src, StagedSource) and src.stage_dir == _copy_of(tmp_path / "env_stage", remote)
+    assert open_source(None, remote, stage_dir=str(tmp_path / "arg_stage")).stage_dir == _copy_of(
+        tmp_path / "arg_stage", remote
     )
     assert isinstance(open_source("posix", remote), PosixSource)  # an argument beats the variable
     monkeypatch.setenv("FASTMM_SOURCE", "s3")
@@ -546,3 +564,99 @@ def test_stage_posix_manifest_and_subtree_entry(tmp_path, mode):
     assert src.staging_cost["files"] == (13 if mode == "before" else 3)
     sub = StagedSource(remote, str(tmp_path / f"sub-{mode}"), entry="part1", mode=mode)
     assert _samples(sub) == _samples(PosixSource(os.path.join(remote, "part1")))
+
+
+@pytest.mark.parametrize("mode", ["before", "on_touch"])
+def test_two_corpora_with_the_same_names_in_one_stage_dir_stay_apart(tmp_path, mode):
+    """A training and a validation set staged under one FASTMM_STAGE_DIR: the same shard names
+    (write_shards numbers them from 0), each its own bytes (they served each other's)."""
+    stage = str(tmp_path / "stage")
+    corpora = {}
+    for name, level in (("train", 10), ("val", 200)):
+        samples = [(f"{name}{i}", {"bin": bytes([level + i]) * 500}) for i in range(6)]
+        write_shards(samples, str(tmp_path / name), max_count=3)
+        corpora[name] = samples
+    train = StagedSource(str(tmp_path / "train"), stage, inner="shards", mode=mode)
+    val = StagedSource(str(tmp_path / "val"), stage, inner="shards", mode=mode)
+    assert _samples(val) == corpora["val"] and _samples(train) == corpora["train"]
+    assert train.stage_dir != val.stage_dir and os.path.dirname(train.stage_dir) == stage
+
+
+def test_an_extracted_tar_removed_at_the_source_is_no_longer_read(tmp_path):
+    remote, stage = tmp_path / "remote", str(tmp_path / "stage")
+    remote.mkdir()
+    for name in ("a", "b"):
+        with tarfile.open(remote / f"{name}.tar", "w") as tar:
+            data = f"caption {name}".encode()
+            member = tarfile.TarInfo(f"{name}1.txt")
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    assert StagedSource(str(remote), stage, extract=True).keys() == ["a/a1", "b/b1"]
+    os.unlink(remote / "b.tar")
+    assert StagedSource(str(remote), stage, extract=True).keys() == ["a/a1"]
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_stage_dir_turned_read_only_stops_the_run_not_a_sample(tmp_path, on_error):
+    """Every copy would fail: a StagingError under every policy, not samples counted bad."""
+    from _shm import private_tmpfs
+
+    from fastmm.sources.staged import StagingError
+
+    remote = str(tmp_path / "remote")
+    _tree(remote)
+    with private_tmpfs("8m") as stage:
+        src = StagedSource(remote, stage, mode="on_touch", on_error=on_error, progress=None)
+        src.read(0)
+        subprocess.run(["mount", "-o", "remount,ro", stage], check=True)
+        with pytest.raises(StagingError, match="write permission"):
+            src.read(3)
+        assert src.skipped == {}
+
+
+class _ChunkedDropping(http.server.BaseHTTPRequestHandler):
+    """Sends files chunked, as a streaming proxy does, and drops the connection halfway through
+    every one but the listing."""
+
+    protocol_version = "HTTP/1.1"
+    root = ""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        with open(os.path.join(self.root, self.path.lstrip("/")), "rb") as f:
+            data = f.read()
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        listing = self.path.endswith(".jsonl")
+        part = data if listing else data[: len(data) // 2]
+        self.wfile.write(b"%x\r\n" % len(part) + part + b"\r\n")
+        if listing:
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+
+
+@pytest.mark.parametrize("mode", ["before", "on_touch"])
+def test_a_chunked_connection_dropped_mid_file_is_that_files_problem(tmp_path, mode):
+    """SourceError "unreadable" under raise, one counted skip under skip; not http.client's
+    IncompleteRead from the depths."""
+    remote = str(tmp_path / "remote")
+    _tree(remote, 2)
+    write_file_manifest(remote)
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), type("Handler", (_ChunkedDropping,), {"root": remote}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(SourceError, match="unreadable: IncompleteRead"):
+            StagedSource(url, str(tmp_path / "raise"), mode=mode, progress=None).read(0)
+        src = StagedSource(url, str(tmp_path / "skip"), mode=mode, on_error="skip", progress=None)
+        assert list(src.iter_samples()) == [] and src.skipped == {"unreadable": 2}
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -8,6 +8,7 @@ Nothing in a shard is unpickled; members stay raw bytes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -347,13 +348,14 @@ class ShardSource(Source):
                 )
             ]
         if self.index_cache == "beside":
+            tmp = f"{cache}.{os.getpid()}.tmp"
             try:  # a read-only shard directory just means the index stays in memory
-                tmp = f"{cache}.{os.getpid()}.tmp"
                 with open(tmp, "w", encoding="utf-8") as c:
                     json.dump({"stamp": stamp, "entries": entries}, c)
                 os.replace(tmp, cache)
             except OSError:
-                pass
+                with contextlib.suppress(OSError):  # (a full disk: half of it was written)
+                    os.unlink(tmp)
         return entries
 
     def _index(self):

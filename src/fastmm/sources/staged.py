@@ -12,8 +12,10 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import http.client
 import json
 import os
+import re
 import shutil
 import time
 import urllib.error
@@ -34,9 +36,17 @@ _CHUNK = 1 << 20
 _LOCKS = 64  # files hash to this many lock files: parallel enough, and no lock file per file
 
 
+def corpus_dir_name(remote: str) -> str:
+    """The directory under the stage directory that holds the copy of ``remote``: its last path
+    part (readable) and a hash of the whole (two corpora named "val" stay apart)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", remote.rstrip("/").rsplit("/", 1)[-1]) or "root"
+    return f"{name[:64]}-{hashlib.sha1(remote.encode()).hexdigest()[:12]}"
+
+
 class StagingError(RuntimeError):
-    """The staging directory cannot take a copy (full, or over quota): the run's problem, not a
-    sample's, so no on_error policy counts it; it stops the loop with the remedy."""
+    """The staging directory cannot take a copy (full, over quota, or not writable): the run's
+    problem, not a sample's, so no on_error policy counts it; it stops the loop with the
+    remedy."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,9 @@ def write_file_manifest(root: str) -> str:
 
 
 class StagedSource(Source):
-    """Stage ``root`` (a directory or an ``http(s)://`` URL) into ``stage_dir``, then read it with
-    the ``inner`` source ("posix" or "shards") from there.
+    """Stage ``root`` (a directory or an ``http(s)://`` URL) into a directory of its own under
+    ``stage_dir`` (``self.stage_dir``: ``<root's name>-<hash of root>``), then read it with the
+    ``inner`` source ("posix" or "shards") from there.
 
     mode="before" copies everything when opened; "on_touch" copies a file when it is first read.
     A file that fails to stage in mode "before" (unreadable, wrong size or checksum) raises
@@ -147,12 +158,17 @@ class StagedSource(Source):
             raise ValueError(f"entry={entry!r} must be a relative path inside the staged tree")
         self.remote = root if root.startswith(("http://", "https://")) else os.path.abspath(root)
         self._url = self.remote.startswith(("http://", "https://"))
-        self.stage_dir = os.path.abspath(stage_dir)
+        # each corpus in a directory of its own: a training and a validation set staged under
+        # one FASTMM_STAGE_DIR share file names (shard-000000.tar), and must not share copies
+        self.stage_dir = os.path.join(os.path.abspath(stage_dir), corpus_dir_name(self.remote))
         self.mode, self.extract, self.timeout_s = mode, extract, timeout_s
         self.defer_failures = on_error == "skip" if defer_failures is None else defer_failures
         self.max_bytes, self.max_member_bytes = max_bytes, max_member_bytes
-        for sub in ("locks", "records", "tmp"):
-            os.makedirs(os.path.join(self.stage_dir, META, sub), exist_ok=True)
+        try:
+            for sub in ("locks", "records", "tmp"):
+                os.makedirs(os.path.join(self.stage_dir, META, sub), exist_ok=True)
+        except OSError as e:
+            raise self._staging_error(f"staging {self.remote}", e) from e
         for bucket in self._buckets_in_tmp():  # before the space check: a dead stager's copies
             with self._lock(bucket, wait=False) as held:
                 if held:
@@ -185,11 +201,8 @@ class StagedSource(Source):
         errors = (self.skipped, self.problems)
         if inner == "posix":
             prefix = entry.rstrip("/") + "/" if entry else ""  # entry: a manifest, or a subtree
-            files = (
-                None
-                if extract
-                else [f.path[len(prefix) :] for f in self.files if f.path.startswith(prefix)]
-            )
+            staged = [path for f in self.files for path in self._copied_paths(f)]
+            files = [path[len(prefix) :] for path in staged if path.startswith(prefix)]
             self.inner: Source = PosixSource(
                 os.path.join(self.stage_dir, entry),
                 files=files,
@@ -345,7 +358,11 @@ class StagedSource(Source):
     def _lock(self, bucket: int, wait: bool = True):
         """Hold a bucket's lock (yields True), or, with wait=False, yield False if another
         process holds it. flock is released when the file closes, also if the process dies."""
-        with open(os.path.join(self.stage_dir, META, "locks", f"{bucket:02d}.lock"), "a+") as lock:
+        try:
+            lock = open(os.path.join(self.stage_dir, META, "locks", f"{bucket:02d}.lock"), "a+")
+        except OSError as e:  # (a full disk with no inode left for a first lock file, say)
+            raise self._staging_error("opening a lock file", e) from e
+        with lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
@@ -438,14 +455,34 @@ class StagedSource(Source):
                     os.unlink(leftover)
             if os.path.isdir(tmp + ".d"):
                 shutil.rmtree(tmp + ".d")
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StagingError(
-                    f"staging {f.path} into {self.stage_dir} failed: {e.strerror}; free space "
-                    "there, or stage to a larger disk (stage_dir= or FASTMM_STAGE_DIR)"
-                ) from e
-            if isinstance(e, (urllib.error.URLError, OSError)) and not isinstance(e, SourceError):
-                raise SourceError("unreadable", f.path, origin, str(e)) from e
+            if self._local_failure(e):
+                raise self._staging_error(f"staging {f.path}", e) from e
+            if isinstance(e, (urllib.error.URLError, http.client.HTTPException, OSError)) \
+                    and not isinstance(e, SourceError):  # the remote's (a dropped connection)
+                raise SourceError("unreadable", f.path, origin, str(e) or repr(e)) from e
             raise
+
+    def _copied_paths(self, f: RemoteFile) -> list[str]:
+        """The paths of ``f``'s copy: its own, or the files unpacked from it (the source's
+        listing now: what a tar removed since left behind is not read)."""
+        if not (self.extract and f.path.endswith(".tar")):
+            return [f.path]
+        top = os.path.join(self.stage_dir, f.path[: -len(".tar")])
+        return sorted(os.path.relpath(os.path.join(where, name), self.stage_dir).replace(os.sep, "/")
+                      for where, _, names in os.walk(top) for name in names)
+
+    def _local_failure(self, e: BaseException) -> bool:
+        """An error of the staging disk (full, over quota, read-only, a path in it refused),
+        not of the remote file: every copy would meet it."""
+        return isinstance(e, OSError) and (
+            e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+            or str(e.filename or "").startswith(self.stage_dir + os.sep))
+
+    def _staging_error(self, what: str, e: OSError) -> StagingError:
+        return StagingError(
+            f"{what} into {self.stage_dir} failed: {e.strerror or e}; the staging directory "
+            "needs free space and write permission (free space there, or stage to another "
+            "disk: stage_dir= or FASTMM_STAGE_DIR)")
 
     def _extract(self, tar_path: str, out: str, origin: str) -> None:
         """Unpack regular files and directories only, each checked to stay inside ``out``."""
