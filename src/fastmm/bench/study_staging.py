@@ -155,9 +155,9 @@ def run(args) -> dict:
                 t0 = time.perf_counter()
                 source = StagedSource(server.url, stage_dir, mode="before")
                 staging_s = time.perf_counter() - t0
-                drop_page_cache(stage_dir)
-                cold = epoch(stage_dir, paths, args)
-                warm = epoch(stage_dir, paths, args)
+                drop_page_cache(source.stage_dir)
+                cold = epoch(source.stage_dir, paths, args)
+                warm = epoch(source.stage_dir, paths, args)
                 reps.append({"in_place": in_place, "staged_cold": cold, "staged_warm": warm,
                              "staging_s": staging_s, "staging_cost": source.staging_cost})
                 shutil.rmtree(stage_dir)
