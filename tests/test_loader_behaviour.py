@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import typing
 import warnings
@@ -562,7 +563,8 @@ sys.path.insert(0, {tests_dir!r})
 import fastmm
 from _datasets import SampleDataset
 import threading
-loader = fastmm.DataLoader(SampleDataset(100), batch_size=2, num_workers=2, persistent_workers=True)
+loader = fastmm.DataLoader(SampleDataset(100), batch_size=2, num_workers=2, persistent_workers=True,
+                           multiprocessing_context={context!r})
 made = []
 if {from_thread}:  # the kernel's parent-death signal follows the starting thread: not used then
     starter = threading.Thread(target=lambda: made.append(iter(loader)))
@@ -631,19 +633,22 @@ def test_persistent_workers_alive_at_exit_leave_quietly(transport):
                                       != psutil.STATUS_ZOMBIE for p in pids)
 
 
-@pytest.mark.parametrize("from_thread", [False, True], ids=["main-thread", "other-thread"])
-def test_workers_exit_when_the_main_process_is_killed(transport, from_thread):
+@pytest.mark.parametrize("from_thread, context", [(False, None), (True, None),
+                                                  (False, "forkserver")],
+                         ids=["main-thread", "other-thread", "forkserver"])
+def test_workers_exit_when_the_main_process_is_killed(transport, from_thread, context):
     """kill -9 of the main process: its (persistent, idle) workers do not outlive it, whether
-    the main thread started them (the kernel's signal) or another thread (a polling thread)."""
+    the main thread started them (the kernel's signal) or another thread (a polling thread), or
+    a forkserver, which outlives the main process (a thread polls for the main process)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run(
-        [sys.executable, "-c", _ORPHAN_SCRIPT.format(tests_dir=tests_dir, from_thread=from_thread)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -9, proc.stderr
-    pids = [int(p) for p in proc.stdout.split()]
+    with tempfile.TemporaryFile("w+") as out:  # not a pipe: a forkserver would hold it open
+        proc = subprocess.run(
+            [sys.executable, "-c", _ORPHAN_SCRIPT.format(tests_dir=tests_dir,
+                                                         from_thread=from_thread, context=context)],
+            stdout=out, stderr=subprocess.DEVNULL, timeout=120)
+        out.seek(0)
+        pids = [int(p) for p in out.read().split()]
+    assert proc.returncode == -9
     assert len(pids) == 2
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

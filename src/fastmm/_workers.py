@@ -95,15 +95,16 @@ class StopFlag:
         return bool(self._value.value)
 
 
-def _exit_when_orphaned(parent_thread_is_main: bool) -> None:
+def _exit_when_orphaned(parent_thread_is_main: bool, main_pid: int | None) -> None:
     """End this worker when the main process dies, even while user code is busy: no worker
-    outlives a ``kill -9`` of its parent by more than a moment.
+    outlives a ``kill -9`` of the loader's process by more than a moment.
 
     On Linux, when the thread that started the worker lives as long as its process (the main
     thread, or a forkserver's), the kernel sends SIGKILL the moment the parent dies
     (PR_SET_PDEATHSIG), so a sample stuck in C with the GIL held cannot keep the worker alive.
     The signal follows the starting thread, so for a worker started from another thread a daemon
-    thread polls for the parent instead (it needs the GIL)."""
+    thread polls for the parent instead (it needs the GIL); and a forkserver's worker, whose
+    parent is the forkserver (which outlives the loader's process), polls for that process."""
     parent = os.getppid()
     if parent_thread_is_main and sys.platform.startswith("linux"):
         try:
@@ -113,14 +114,27 @@ def _exit_when_orphaned(parent_thread_is_main: bool) -> None:
         if signalled:
             if os.getppid() != parent:  # it died before the signal was set
                 os._exit(1)
-            return
+            if main_pid in (None, parent):
+                return
 
     def watch():
-        while os.getppid() == parent:
+        while os.getppid() == parent and _alive(main_pid):
             time.sleep(PARENT_CHECK_INTERVAL_S)
         os._exit(1)
 
     threading.Thread(target=watch, name="fastmm-orphan-watch", daemon=True).start()
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, another user's (it cannot be ours then, but be safe)
+        return True
+    return True
 
 
 def worker_loop(
@@ -141,13 +155,14 @@ def worker_loop(
     transport,
     restore=(None, 0, None),
     parent_thread_is_main=False,
+    main_pid=None,
 ):
     try:
         # Objects inherited from the main process (the dataset's lists, torch's modules) are
         # left out of this worker's garbage collections: a full collection writes into every
         # object it visits, which would copy each page holding one into this process.
         gc.freeze()
-        _exit_when_orphaned(parent_thread_is_main)
+        _exit_when_orphaned(parent_thread_is_main, main_pid)
         signal_handling._set_worker_signal_handlers()
         torch.set_num_threads(1)
         seed = base_seed + worker_id

@@ -480,6 +480,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                 restore,
                 self._context.get_start_method() == "forkserver"
                 or threading.current_thread() is threading.main_thread(),
+                os.getpid(),
             ),
             name=f"fastmm-worker-{worker_id}",
             daemon=True,
