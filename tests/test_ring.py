@@ -32,7 +32,8 @@ def _write_batch(writer, ring, sock, payload: bytes):
     writer.begin()
     slab_id, offset, region = writer.alloc(len(payload))
     writer.gather(region, 0, [payload], len(payload))
-    used, new = writer.finish()
+    used, new, retired = writer.finish()
+    ring.retire(0, retired)
     if new:
         ring.receive(0, sock, new)
     views = ring.lend(0, used)
@@ -72,6 +73,28 @@ def test_surplus_free_slabs_are_retired_and_unpinned(pair):
     del again
     ring.close()
     assert pinned == {}  # nothing stays page-locked after close
+
+
+def test_slabs_too_small_for_grown_batches_are_retired_not_kept(pair):
+    """Once batches outgrow a free slab, no batch starts in it again: it goes (and is unpinned),
+    so that the free slabs kept are ones the next batches can use."""
+    writer, ring, sock, pinned = pair
+    small, small_id = _write_batch(writer, ring, sock, b"s" * 10_000)
+    del small
+    gc.collect()
+    writer.apply(*ring.drain()[0])
+    ids = set()
+    for i in range(6):
+        big, slab_id = _write_batch(writer, ring, sock, bytes([i]) * 100_000)
+        assert bytes(big) == bytes([i]) * 100_000
+        ids.add(slab_id)
+        del big
+        gc.collect()
+        writer.apply(*ring.drain()[0])
+    assert small_id not in ids and len(ids) == 1  # one big slab, reused by every batch
+    assert (0, small_id) not in ring._maps and len(pinned) == 1
+    ring.close()
+    assert pinned == {}
 
 
 def test_close_keeps_held_views_valid_until_they_go(pair):

@@ -95,6 +95,35 @@ def test_ring_reuses_slabs_in_steady_state(path, monkeypatch):
         assert _wait_until(lambda: used_bytes(shm) == 0)
 
 
+class Growing(Dataset):
+    """Sample i holds min(i // 4, 10) + 1 KB: batches of 4 grow, then keep one size."""
+
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        return torch.full((1000 * (min(i // 4, 10) + 1),), i % 251, dtype=torch.uint8)
+
+
+def test_batches_that_grew_then_settled_reuse_slabs(path, monkeypatch):
+    """Slabs too small for the grown batches must not crowd out the big ones: each batch once
+    made (and threw away) a new slab, about 100 descriptor passes and 1 MB of page faults."""
+    with private_tmpfs("256m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        loader = fastmm.DataLoader(Growing(), batch_size=4, num_workers=2)
+        it = iter(loader)
+        settled = None
+        for k, batch in enumerate(it):
+            assert batch[:, 0].tolist() == [i % 251 for i in range(4 * k, 4 * k + 4)]
+            if k == 20:  # batches stopped growing at 10
+                settled = set(it._ring._maps)
+            elif k > 20:
+                settled |= set(it._ring._maps)
+        assert len(settled) <= 2 * (loader.prefetch_factor + 2)  # 80 batches since
+        del it, batch
+        gc.collect()
+        assert _wait_until(lambda: used_bytes(shm) == 0)
+
 
 def _numpy_stack(batch):
     return np.stack([image.numpy() for image, _ in batch]), np.array([i for _, i in batch])

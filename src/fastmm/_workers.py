@@ -9,8 +9,8 @@ Messages from the main process (on the worker's index queue):
                                    ShardStream.epoch, passed on to this copy (else None)
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
-  (send_idx, kind, payload, slab_ids_used, new_slabs, rng, stream, counts) with kind one of
-  "data", "error", "end"; rng: the worker's RNG states after the task if it changed them, else
+  (send_idx, kind, payload, slab_ids_used, new_slabs, retired_slabs, rng, stream, counts) with
+  kind one of "data", "error", "end"; retired_slabs: free slabs the worker closed; rng: the worker's RNG states after the task if it changed them, else
   None; stream: an IterableDataset's resume.stream_state() after the task (resume.py); counts:
   its row of the dataset's skip counts (dataset.skip_counters) if the task changed it;
   ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
@@ -258,10 +258,10 @@ def worker_loop(
                 )
                 status = "error"
             del result
-            used, new = writer.finish()
+            used, new, retired = writer.finish()
             # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
             result_conn.send_bytes(pickle.dumps(
-                (send_idx, status, payload, used, new, rng_watch.changed(), stream,
+                (send_idx, status, payload, used, new, retired, rng_watch.changed(), stream,
                  counts_watch.changed()), pickle.DEFAULT_PROTOCOL))
             del payload, message, index
     except KeyboardInterrupt:

@@ -704,7 +704,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         message = self._result_conns[worker_id].recv()
         if message[0] == "resumed":
             return "resumed", worker_id
-        send_idx, status, payload, used, new, rng, stream, counts = message
+        send_idx, status, payload, used, new, retired, rng, stream, counts = message
         self._received[worker_id] += 1
         if counts is not None:
             self._last_counts[worker_id] = counts
@@ -718,6 +718,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         elif stream is not None:
             self._task_stream[send_idx] = self._last_stream[worker_id] = stream
         channel = self._channels[worker_id]
+        self._ring.retire(channel, retired)
         if new:
             self._ring.receive(channel, self._fd_socks[worker_id], new)
             self._check_shared_memory(max(capacity for _, capacity in new))

@@ -137,6 +137,7 @@ class SlabWriter:
         self._expected = 0  # bytes of the largest batch so far: the size a new slab starts from
         self._batch: list[list[int]] = []  # [slab_id, bytes used] for the batch being written
         self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
+        self._retired: list[int] = []  # closed here, not yet reported to the main process
         self._began = 0.0
         self.loop_spare_s = 0.0  # set from each task: the loop's last step outside next()
 
@@ -182,11 +183,13 @@ class SlabWriter:
                 return slab_id, address - slab.address
         return None
 
-    def finish(self) -> tuple[list[int], list[tuple[int, int]]]:
-        """End the batch: send new slabs' fds; return (slabs used, [(new id, capacity)])."""
+    def finish(self) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+        """End the batch: send new slabs' fds; return (slabs used, [(new id, capacity)],
+        slabs retired since the last batch, which the main process should unmap)."""
         used = [slab_id for slab_id, _ in self._batch]
         nbytes = sum(n for _, n in self._batch)
         self._expected = max(self._expected, nbytes)
+        self._retire_small()
         remap_s = _WRITE_REMAP_S_PER_BYTE * nbytes
         if (self._config.slab_memory == "lean"
                 or self.loop_spare_s >= max(IDLE_TRIM_S, 3 * remap_s)
@@ -201,7 +204,17 @@ class SlabWriter:
             finally:
                 for fd in fds:
                     os.close(fd)
-        return used, [(slab_id, capacity) for slab_id, capacity, _ in created]
+        retired, self._retired = self._retired, []
+        return used, [(slab_id, capacity) for slab_id, capacity, _ in created], retired
+
+    def _retire_small(self) -> None:
+        """Close free slabs smaller than the largest batch: no batch will start in one again,
+        and kept, they would fill the main process's quota of free slabs, so that it retired
+        the big slabs instead and every batch created a new one."""
+        for slab_id in [i for i in self._free if self._slabs[i].capacity < self._expected]:
+            self._free.remove(slab_id)
+            _close_quietly(self._slabs.pop(slab_id).mm)
+            self._retired.append(slab_id)
 
     def _take(self, nbytes: int) -> int:
         # A batch's first region asks for a slab that can hold the largest batch seen so far,
@@ -295,6 +308,12 @@ class SlabRing:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def retire(self, worker_id: int, slab_ids: list[int]) -> None:
+        """Unmap free slabs their worker closed (SlabWriter._retire_small)."""
+        for slab_id in slab_ids:
+            self._held.pop((worker_id, slab_id), None)
+            self._unmap((worker_id, slab_id))
 
     def lend(self, worker_id: int, slab_ids: list[int]) -> dict[int, memoryview]:
         """Views of a batch's slabs; each slab comes back when its view object is freed.
