@@ -1,5 +1,6 @@
 """Pre-flight checks: the loader's warnings at start (large Python containers in the dataset,
-CUDA before fork) and at its first batch (shared memory too small for its rings), and the
+CUDA before fork) and once its first batch shows the size (shared memory too small for its
+rings), and the
 ``fastmm-doctor`` command."""
 
 from __future__ import annotations
@@ -66,6 +67,30 @@ def test_shared_memory_too_small_for_the_rings_is_said_at_the_first_batch(monkey
         assert "SharedMemoryError" in found[0]
         monkeypatch.setenv("FASTMM_SHM_DIR", "/dev/shm")
         assert _findings(fastmm.DataLoader(Big(), batch_size=1, num_workers=2)) == []
+
+
+def test_the_shared_memory_warning_made_an_error_loses_no_batch(monkeypatch):
+    """Under -W error the warning raises from next() and names the loop's line; the loop may go
+    on and gets every batch (it once lost the batch being received, then waited for it)."""
+    with private_tmpfs("16m") as path:
+        monkeypatch.setenv("FASTMM_SHM_DIR", path)
+        it = iter(fastmm.DataLoader(Big(), batch_size=1, num_workers=2, timeout=30))
+        got, raised = [], []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", doctor.FastmmWarning)
+            while True:
+                try:
+                    got.append(int(next(it)[0, 0]))
+                except StopIteration:
+                    break
+                except doctor.FastmmWarning as warning:
+                    raised.append(warning)
+        assert len(raised) == 1 and "24 MiB of shared memory" in str(raised[0])
+        assert got == [0, 1]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(fastmm.DataLoader(Big(), batch_size=1, num_workers=2))
+        assert [w.filename for w in caught] == [__file__]
 
 
 def test_ring_bytes_follow_the_documented_formula():

@@ -84,12 +84,13 @@ def loader_findings(loader) -> list[str]:
     return findings
 
 
-def warn_once(said: set, findings) -> None:
-    """Warn of each finding not in ``said`` (a loader's: once per loader), and add it there."""
+def warn_once(said: set, findings, stacklevel: int = 4) -> None:
+    """Warn of each finding not in ``said`` (a loader's: once per loader), and add it there.
+    ``stacklevel``: the user's frame, counted from this function."""
     for finding in findings:
         if finding not in said:
             said.add(finding)
-            warnings.warn(f"fastmm: {finding}", FastmmWarning, stacklevel=4)
+            warnings.warn(f"fastmm: {finding}", FastmmWarning, stacklevel=stacklevel)
 
 
 def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | None) -> tuple[str, bool]:

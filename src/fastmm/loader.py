@@ -401,6 +401,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
         self._shm_checked = 0  # the largest ring size checked against free shared memory
         self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
+        self._unsaid: list[str] = []  # warned at the next next(), before it changes anything
         self._index_queues = [None] * self._num_workers
         self._workers = [None] * self._num_workers
         self._result_conns = [None] * self._num_workers
@@ -630,8 +631,8 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         if need > self._shm_checked:
             self._shm_checked = need
             finding = doctor.shm_finding(need, self._transport.shm_dir, held=self._ring.nbytes)
-            if finding:
-                doctor.warn_once(self._findings_said, [finding])
+            if finding:  # not now: a warning made an error (-W error) would lose this batch
+                self._unsaid.append(finding)
 
     def _return_slabs(self) -> None:
         for channel, (release, destroy) in self._ring.drain().items():
@@ -741,6 +742,11 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                 return data
 
     def _next_batch(self):
+        if self._unsaid:
+            from . import doctor
+
+            unsaid, self._unsaid = self._unsaid, []
+            doctor.warn_once(self._findings_said, unsaid, stacklevel=5)
         self._ring.step()
         self._return_slabs()  # slabs of batches the loop dropped go back before new tasks go out
         while True:
