@@ -197,6 +197,22 @@ def test_bad_spec_is_refused():
         CorpusSpec(video_sizes=((63, 64),))
     with pytest.raises(ValueError, match="image_short_side"):
         CorpusSpec(image_short_side=(500, 300))
+    for bad in ({"video_fps": (0,)}, {"video_keyint": (30, 2.5)}, {"video_crf": 60},
+                {"seed": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CorpusSpec(**bad)
+
+
+@pytest.mark.parametrize("argv", [["--fps", "0"], ["--keyint", "abc"], ["--images", "-5"],
+                                  ["--seed", "-1"], ["--shard-bytes", "0"],
+                                  ["--video-sizes", "64x"]])
+def test_cli_refuses_a_bad_value_before_any_work(tmp_path, capsys, argv):
+    from fastmm.bench.mmcorpus import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "c"), *argv])
+    assert exit_.value.code == 2 and f"argument {argv[0]}" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 def test_cli(tmp_path, capsys):

@@ -79,7 +79,7 @@ class CorpusSpec:
         def bad(name, why):
             raise ValueError(f"CorpusSpec.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("num_images", "num_videos"):
+        for name in ("num_images", "num_videos", "seed"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
         for name in ("png_fraction", "large_fraction"):
@@ -94,6 +94,11 @@ class CorpusSpec:
         for name in ("video_fps", "video_keyint", "video_sizes"):
             if not getattr(self, name):
                 bad(name, "needs at least one choice")
+        for name in ("video_fps", "video_keyint"):
+            if any(int(v) != v or v < 1 for v in getattr(self, name)):
+                bad(name, "needs whole numbers >= 1")
+        if not 0 <= self.video_crf <= 51:
+            bad("video_crf", "must be within 0..51 (H.264)")
         if any(w < INDEX_SIDE or h < INDEX_SIDE or w % 2 or h % 2 for w, h in self.video_sizes):
             bad("video_sizes", f"sides must be even and at least {INDEX_SIDE} px")
         if not 1 <= self.jpeg_quality <= 100:
@@ -493,8 +498,13 @@ def _counts(values) -> dict:
     return dict(sorted(out.items()))
 
 
-def _pairs(text: str) -> tuple[tuple[int, int], ...]:
-    return tuple(tuple(int(x) for x in p.lower().split("x")) for p in text.split(","))
+def _size(text: str) -> tuple[int, int]:
+    """A WIDTHxHEIGHT video size."""
+    try:
+        width, height = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not WIDTHxHEIGHT: {text!r}") from None
+    return width, height
 
 
 @options.command
@@ -503,10 +513,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fastmm.bench.mmcorpus",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=options.directory, required=True, help="output directory")
-    ap.add_argument("--images", type=int, default=d.num_images)
-    ap.add_argument("--videos", type=int, default=d.num_videos)
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--shard-bytes", type=int, default=d.shard_bytes)
+    ap.add_argument("--images", type=options.whole(0), default=d.num_images)
+    ap.add_argument("--videos", type=options.whole(0), default=d.num_videos)
+    ap.add_argument("--seed", type=options.whole(0), default=d.seed)
+    ap.add_argument("--shard-bytes", type=options.whole(1), default=d.shard_bytes)
     ap.add_argument("--png-fraction", type=float, default=d.png_fraction)
     ap.add_argument("--jpeg-quality", type=int, default=d.jpeg_quality)
     ap.add_argument("--short-side", type=int, nargs=2, default=d.image_short_side,
@@ -516,9 +526,11 @@ def main(argv=None) -> int:
                     metavar=("LO", "HI"))
     ap.add_argument("--duration", type=float, nargs=2, default=d.video_duration_s,
                     metavar=("LO", "HI"), help="video duration range in seconds")
-    ap.add_argument("--fps", default=",".join(map(str, d.video_fps)), help="choices, e.g. 24,30")
-    ap.add_argument("--video-sizes", default=",".join(f"{w}x{h}" for w, h in d.video_sizes))
-    ap.add_argument("--keyint", default=",".join(map(str, d.video_keyint)))
+    ap.add_argument("--fps", type=options.listed(options.whole(1)),
+                    default=",".join(map(str, d.video_fps)), help="choices, e.g. 24,30")
+    ap.add_argument("--video-sizes", type=options.listed(_size), default=",".join(f"{w}x{h}" for w, h in d.video_sizes))
+    ap.add_argument("--keyint", type=options.listed(options.whole(1)),
+                    default=",".join(map(str, d.video_keyint)))
     ap.add_argument("--photos", choices=("auto", "skimage", "procedural"), default=d.photos)
     ap.add_argument("--processes", type=options.whole(0), default=0, help="0: every CPU")
     a = ap.parse_args(argv)
@@ -528,8 +540,8 @@ def main(argv=None) -> int:
             png_fraction=a.png_fraction, jpeg_quality=a.jpeg_quality,
             image_short_side=tuple(a.short_side), large_fraction=a.large_fraction,
             large_short_side=tuple(a.large_short_side), video_duration_s=tuple(a.duration),
-            video_fps=tuple(int(x) for x in a.fps.split(",")), video_sizes=_pairs(a.video_sizes),
-            video_keyint=tuple(int(x) for x in a.keyint.split(",")), photos=a.photos)
+            video_fps=tuple(a.fps), video_sizes=tuple(a.video_sizes),
+            video_keyint=tuple(a.keyint), photos=a.photos)
     except ValueError as e:
         ap.error(str(e))
     comp = write_corpus(spec, a.out, processes=a.processes or None,
