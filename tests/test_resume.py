@@ -665,20 +665,22 @@ def test_the_multimodal_dataset_keeps_its_skip_counts(tmp_path):
     assert ds2.skipped == {"corrupt": 1} and ds2.replaced == 0
 
 
-@pytest.mark.parametrize("in_order, subset", [(True, False), (False, False), (True, True)],
-                         ids=["in order", "out of order", "through a Subset"])
-def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_order, subset):
+@pytest.mark.parametrize("in_order, subset, workers",
+                         [(True, False, 2), (False, False, 2), (True, True, 2), (True, False, 66)],
+                         ids=["in order", "out of order", "through a Subset", "66 workers"])
+def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_order, subset,
+                                                                   workers):
     """Workers run ahead of the loop: the bad samples in batches made but not handed out are
     not in the saved counts (the restored loader makes those batches again and counts them
     then), so a resumed run counts each bad sample once. A Subset's dataset (random_split's)
-    has its counts saved too."""
+    has its counts saved too. Past 64 workers too (their counts once shared rows)."""
     from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
 
     from _datasets import CorruptOn
 
     root = str(tmp_path / "posix")
-    write_corpus(CorpusSpec(num_images=16, num_videos=0, seed=1, image_short_side=(32, 40),
-                            large_fraction=0.0), str(tmp_path))
+    write_corpus(CorpusSpec(num_images=16 if workers == 2 else 4 * workers, num_videos=0, seed=1,
+                            image_short_side=(32, 40), large_fraction=0.0), str(tmp_path))
     bad = fastmm.MultimodalDataset(root).source.keys()[1::3]
 
     def loader():
@@ -686,7 +688,7 @@ def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_
                                       decoder=CorruptOn(bad))
         if subset:
             ds = torch.utils.data.Subset(ds, range(len(ds)))
-        return fastmm.DataLoader(ds, batch_size=2, num_workers=2, in_order=in_order)
+        return fastmm.DataLoader(ds, batch_size=2, num_workers=workers, in_order=in_order)
 
     whole = loader()
     want = sorted(k for b in whole for k in b["key"])

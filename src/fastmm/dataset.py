@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Literal
 
+import numpy as np
 import torch
 import torch.utils.data
 
@@ -134,7 +135,7 @@ class _Counters(SharedArray):
     """Skip and replace counts by reason, one row per process so no increment is lost without
     a lock."""
 
-    ROWS = 65  # the main process, then a row per worker (shared beyond 64 workers)
+    ROWS = 1025  # the main process, then a row per worker (shared beyond 1024 workers)
 
     def __init__(self):
         super().__init__("q", self.ROWS * (len(REASONS) + 1))
@@ -162,16 +163,14 @@ class _Counters(SharedArray):
     def set_totals(self, skipped: dict[str, int], replaced: int) -> None:
         """Start from saved totals (kept in this process's row; the workers' rows cleared)."""
         width = len(REASONS) + 1
-        for i in range(len(self._array)):
-            self._array[i] = 0
+        self._array[:] = [0] * len(self._array)
         for reason, n in skipped.items():
             self._array[_column(reason)] += int(n)
         self._array[width - 1] = int(replaced)
 
     def totals(self) -> tuple[dict[str, int], int]:
-        width = len(REASONS) + 1
         rows = self._as_handed_out or self._array
-        sums = [sum(rows[r * width + c] for r in range(self.ROWS)) for c in range(width)]
+        sums = np.asarray(rows, dtype=np.int64).reshape(self.ROWS, -1).sum(axis=0).tolist()
         return {r: n for r, n in zip(REASONS, sums) if n}, sums[-1]
 
     @contextlib.contextmanager
