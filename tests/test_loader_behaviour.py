@@ -9,6 +9,7 @@ import inspect
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -555,6 +556,24 @@ def test_break_early_then_delete_leaves_no_children(persistent, transport):
         del loader
     gc.collect()
     assert wait_for_children_to_go(before) == set()
+
+
+def test_a_stopped_worker_is_killed_when_the_loader_goes(transport):
+    """A worker that cannot take SIGTERM (stopped by SIGSTOP or a debugger, or ignoring it)
+    is killed, not left behind, as torch's loader leaves it."""
+    before = live_children()
+    it = iter(fastmm.DataLoader(FullDataset(60, (64, 64)), batch_size=2, num_workers=2,
+                                timeout=2))
+    next(it)
+    stopped = it._workers[0].pid
+    os.kill(stopped, signal.SIGSTOP)
+    with pytest.raises(RuntimeError, match="timed out"):
+        for _ in it:
+            pass
+    del it
+    gc.collect()
+    assert wait_for_children_to_go(before) == set()
+    assert not psutil.pid_exists(stopped) or psutil.Process(stopped).status() == "zombie"
 
 
 _ORPHAN_SCRIPT = r"""

@@ -869,9 +869,15 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             if self._worker_pids_set:
                 torch_utils.signal_handling._remove_worker_pids(id(self))
                 self._worker_pids_set = False
-            for process in self._started():
-                if process.is_alive():
-                    process.terminate()
+            lingering = [process for process in self._started() if process.is_alive()]
+            for process in lingering:
+                process.terminate()
+            deadline = time.monotonic() + _STATUS_CHECK_INTERVAL_S
+            for process in lingering:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            for process in lingering:
+                if process.is_alive():  # stopped (SIGSTOP, a debugger) or ignoring SIGTERM
+                    process.kill()
                     process.join(timeout=_STATUS_CHECK_INTERVAL_S)
             for sock in filter(None, self._fd_socks):
                 sock.close()
