@@ -636,16 +636,21 @@ loader = fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=2, persis
 for _ in loader:
     pass
 print(" ".join(str(w.pid) for w in loader._iterator._workers), flush=True)
+if {stop}:
+    import os, signal
+    os.kill(loader._iterator._workers[0].pid, signal.SIGSTOP)
 """
 
 
-def test_persistent_workers_alive_at_exit_leave_quietly(transport):
+@pytest.mark.parametrize("stop", [False, True], ids=["running", "one stopped"])
+def test_persistent_workers_alive_at_exit_leave_quietly(transport, stop):
     """The interpreter exits with persistent workers still up: no unclosed-socket warnings,
-    no worker left behind (as with torch's loader)."""
+    no worker left behind (as with torch's loader). One stopped (SIGSTOP, a debugger) is
+    killed: multiprocessing's exit handler waited for it without end (as with torch's)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run([sys.executable, "-W", "always", "-c",
-                           _PERSISTENT_AT_EXIT_SCRIPT.format(tests_dir=tests_dir)],
-                          capture_output=True, text=True, timeout=120)
+                           _PERSISTENT_AT_EXIT_SCRIPT.format(tests_dir=tests_dir, stop=stop)],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2 and not any(psutil.pid_exists(p) and psutil.Process(p).status()

@@ -56,19 +56,45 @@ from .telemetry.recorder import _Forwarding, unwatched
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 log = logging.getLogger("fastmm")
 _MAX_DEATHS_PER_TASK = 3  # a batch that kills a worker this often is the batch's fault
-_OPEN_CHANNELS: dict[int, tuple] = {}  # id(iterator) -> its result connections and fd sockets
+# id(iterator) -> its result connections, fd sockets and worker processes, and its process id
+_OPEN_CHANNELS: dict[int, tuple] = {}
 
 
 @atexit.register
 def _close_open_channels() -> None:
     """At exit, close the channels of iterators still open (persistent workers), as their own
     shutdown would: torch skips that shutdown at exit, and the workers then see their loop gone.
-    (Registered after multiprocessing's exit handler, so it runs before that one ends them.)"""
-    for conns, socks in list(_OPEN_CHANNELS.values()):
+    Then end the workers: multiprocessing's exit handler (registered before this one, so it
+    runs after) would wait without end for one that outlives SIGTERM."""
+    workers = []
+    for iterator_id, (conns, socks, processes, owner_pid) in list(_OPEN_CHANNELS.items()):
         for channel in [*conns, *socks]:
             if channel is not None:
                 channel.close()
+        if owner_pid == os.getpid():  # (a forked child's copy names its parent's workers)
+            workers += [process for process in processes if process is not None]
+            try:  # their ends are not failures for torch's SIGCHLD handler to raise
+                torch_utils.signal_handling._remove_worker_pids(iterator_id)
+            except (RuntimeError, ValueError):
+                pass  # (never registered: respawn and deadline iterators watch their own)
     _OPEN_CHANNELS.clear()
+    _end_processes(workers)
+
+
+def _end_processes(processes: list) -> None:
+    """SIGTERM, one wait for all, then SIGKILL for any still there: one stopped (SIGSTOP, a
+    debugger) or ignoring SIGTERM, which torch's loader and multiprocessing leave behind or
+    wait for without end."""
+    lingering = [process for process in processes if process.is_alive()]
+    for process in lingering:
+        process.terminate()
+    deadline = time.monotonic() + _STATUS_CHECK_INTERVAL_S
+    for process in lingering:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in lingering:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=_STATUS_CHECK_INTERVAL_S)
 
 
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
@@ -420,7 +446,8 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._last_stream = list(self._progress.worker_streams)
         # Held outside the iterator as well: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
-        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
+        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks, self._workers,
+                                  self._owner_pid)
         if not (self._respawn or self._watches):  # else deaths are this iterator's, not torch's
             torch_utils.signal_handling._set_worker_pids(
                 id(self), tuple(w.pid for w in self._workers))
@@ -525,7 +552,8 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                                                self._last_counts)[worker_id])
         self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
         self._awaiting_resume.discard(worker_id)
-        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks)
+        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks, self._workers,
+                                  self._owner_pid)
         for i in lost:
             self._index_queues[worker_id].put(("task", i, self._task_index[i], 0.0))
 
@@ -869,16 +897,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             if self._worker_pids_set:
                 torch_utils.signal_handling._remove_worker_pids(id(self))
                 self._worker_pids_set = False
-            lingering = [process for process in self._started() if process.is_alive()]
-            for process in lingering:
-                process.terminate()
-            deadline = time.monotonic() + _STATUS_CHECK_INTERVAL_S
-            for process in lingering:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
-            for process in lingering:
-                if process.is_alive():  # stopped (SIGSTOP, a debugger) or ignoring SIGTERM
-                    process.kill()
-                    process.join(timeout=_STATUS_CHECK_INTERVAL_S)
+            _end_processes(self._started())
             for sock in filter(None, self._fd_socks):
                 sock.close()
             _OPEN_CHANNELS.pop(id(self), None)
