@@ -10,9 +10,10 @@ Messages from the main process (on the worker's index queue):
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
   (send_idx, kind, payload, slab_ids_used, new_slabs, retired_slabs, rng, stream, counts) with
-  kind one of "data", "error", "end"; retired_slabs: free slabs the worker closed; rng: the worker's RNG states after the task if it changed them, else
-  None; stream: an IterableDataset's resume.stream_state() after the task (resume.py); counts:
-  its row of the dataset's skip counts (dataset.skip_counters) if the task changed it;
+  kind one of "data", "error", "end"; retired_slabs: free slabs the worker closed; rng: the
+  worker's RNG states after the task if it changed them, else None; stream: an
+  IterableDataset's resume.stream_state() after the task (resume.py); counts: its row of the
+  dataset's skip counts (dataset.skip_counters) if the task changed it;
   ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
 """
 

@@ -446,8 +446,8 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._last_stream = list(self._progress.worker_streams)
         # Held outside the iterator as well: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
-        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks, self._workers,
-                                  self._owner_pid)
+        _OPEN_CHANNELS[id(self)] = (
+            self._result_conns, self._fd_socks, self._workers, self._owner_pid)
         if not (self._respawn or self._watches):  # else deaths are this iterator's, not torch's
             torch_utils.signal_handling._set_worker_pids(
                 id(self), tuple(w.pid for w in self._workers))
@@ -552,8 +552,8 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                                                self._last_counts)[worker_id])
         self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
         self._awaiting_resume.discard(worker_id)
-        _OPEN_CHANNELS[id(self)] = (self._result_conns, self._fd_socks, self._workers,
-                                  self._owner_pid)
+        _OPEN_CHANNELS[id(self)] = (
+            self._result_conns, self._fd_socks, self._workers, self._owner_pid)
         for i in lost:
             self._index_queues[worker_id].put(("task", i, self._task_index[i], 0.0))
 

@@ -528,7 +528,8 @@ def main(argv=None) -> int:
                     metavar=("LO", "HI"), help="video duration range in seconds")
     ap.add_argument("--fps", type=options.listed(options.whole(1)),
                     default=",".join(map(str, d.video_fps)), help="choices, e.g. 24,30")
-    ap.add_argument("--video-sizes", type=options.listed(_size), default=",".join(f"{w}x{h}" for w, h in d.video_sizes))
+    ap.add_argument("--video-sizes", type=options.listed(_size),
+                    default=",".join(f"{w}x{h}" for w, h in d.video_sizes))
     ap.add_argument("--keyint", type=options.listed(options.whole(1)),
                     default=",".join(map(str, d.video_keyint)))
     ap.add_argument("--photos", choices=("auto", "skimage", "procedural"), default=d.photos)
