@@ -558,6 +558,48 @@ def test_break_early_then_delete_leaves_no_children(persistent, transport):
     assert wait_for_children_to_go(before) == set()
 
 
+_MAIN_PID = os.getpid()
+
+
+def _rebuild_outside_the_main_process(value):
+    if os.getpid() == _MAIN_PID:
+        raise ValueError("this sample cannot be rebuilt in the main process")
+    return value
+
+
+class _Fragile:
+    """Pickles in a worker; fails to unpickle in the main process (a class whose __reduce__
+    needs something only workers have)."""
+
+    def __reduce__(self):
+        return _rebuild_outside_the_main_process, (0,)
+
+
+class _OneFragile(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return _Fragile() if i == 5 else i
+
+
+def test_a_batch_that_fails_to_unpickle_is_its_error_and_the_epoch_goes_on(transport):
+    """Its error is raised in its turn, with the worker named, and the other batches all come:
+    before, the batch was lost and the next next() waited for it until the timeout."""
+    it = iter(fastmm.DataLoader(_OneFragile(), batch_size=2, num_workers=2, timeout=20,
+                                collate_fn=list))
+    got, errors = [], []
+    while True:
+        try:
+            got.append(next(it))
+        except StopIteration:
+            break
+        except ValueError as e:
+            errors.append(str(e))
+    assert got == [[0, 1], [2, 3], [6, 7], [8, 9], [10, 11]]
+    assert len(errors) == 1 and "cannot be rebuilt" in errors[0] and "worker 0" in errors[0]
+
+
 def test_a_stopped_worker_is_killed_when_the_loader_goes(transport):
     """A worker that cannot take SIGTERM (stopped by SIGSTOP or a debugger, or ignoring it)
     is killed, not left behind, as torch's loader leaves it."""

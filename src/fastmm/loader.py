@@ -754,7 +754,11 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         views = self._ring.lend(channel, used)
         if status == "end":
             return send_idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
-        return send_idx, collate.unpack(payload, views)
+        try:
+            return send_idx, collate.unpack(payload, views)
+        except Exception:  # this batch's error, raised in its turn; the epoch goes on
+            return send_idx, torch._utils.ExceptionWrapper(
+                where=f"in the main process, unpickling a batch from DataLoader worker {worker_id}")
 
     def _get_data(self):
         if self._timeout > 0:
