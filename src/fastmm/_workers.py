@@ -134,7 +134,7 @@ def _alive(pid: int | None) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # there, another user's (it cannot be ours then, but be safe)
-        return True
+        pass
     return True
 
 
