@@ -584,8 +584,10 @@ class _OneFragile(Dataset):
 
 
 def test_a_batch_that_fails_to_unpickle_is_its_error_and_the_epoch_goes_on(transport):
-    """Its error is raised in its turn, with the worker named, and the other batches all come:
-    before, the batch was lost and the next next() waited for it until the timeout."""
+    """Its error is raised in its turn, as itself with a note naming the worker, and the other
+    batches all come: before, the batch was lost and the next next() waited for it until the
+    timeout. (An error raised then by torch's SIGCHLD handler, for another worker's death,
+    keeps torch's words: test_killed_worker_raises_runtime_error_like_torch.)"""
     it = iter(fastmm.DataLoader(_OneFragile(), batch_size=2, num_workers=2, timeout=20,
                                 collate_fn=list))
     got, errors = [], []
@@ -595,7 +597,7 @@ def test_a_batch_that_fails_to_unpickle_is_its_error_and_the_epoch_goes_on(trans
         except StopIteration:
             break
         except ValueError as e:
-            errors.append(str(e))
+            errors.append(" ".join([str(e), *e.__notes__]))
     assert got == [[0, 1], [2, 3], [6, 7], [8, 9], [10, 11]]
     assert len(errors) == 1 and "cannot be rebuilt" in errors[0] and "worker 0" in errors[0]
 

@@ -81,6 +81,25 @@ def _close_open_channels() -> None:
     _end_processes(workers)
 
 
+class _Received:
+    """A batch as a worker sent it, rebuilt (collate.unpack) as it is handed out: an error in
+    rebuilding it (an object that unpickles only in workers) is then that batch's, raised in its
+    turn with the loader's account of it done, and the epoch goes on."""
+
+    __slots__ = ("payload", "views", "worker_id")
+
+    def __init__(self, payload, views: dict, worker_id: int):
+        self.payload, self.views, self.worker_id = payload, views, worker_id
+
+    def rebuild(self):
+        try:
+            return collate.unpack(self.payload, self.views)
+        except Exception as e:
+            e.add_note(f"(raised in the main process, rebuilding a batch from DataLoader "
+                       f"worker {self.worker_id})")
+            raise
+
+
 def _end_processes(processes: list) -> None:
     """SIGTERM, one wait for all, then SIGKILL for any still there: one stopped (SIGSTOP, a
     debugger) or ignoring SIGTERM, which torch's loader and multiprocessing leave behind or
@@ -508,7 +527,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                 restore,
                 self._context.get_start_method() == "forkserver"
                 or threading.current_thread() is threading.main_thread(),
-                os.getpid(),
+                self._owner_pid,
             ),
             name=f"fastmm-worker-{worker_id}",
             daemon=True,
@@ -754,11 +773,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         views = self._ring.lend(channel, used)
         if status == "end":
             return send_idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
-        try:
-            return send_idx, collate.unpack(payload, views)
-        except Exception:  # this batch's error, raised in its turn; the epoch goes on
-            return send_idx, torch._utils.ExceptionWrapper(
-                where=f"in the main process, unpickling a batch from DataLoader worker {worker_id}")
+        return send_idx, _Received(payload, views, worker_id)
 
     def _get_data(self):
         if self._timeout > 0:
@@ -861,6 +876,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                                   self._task_counts.pop(idx, None))
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
+        data = data.rebuild()
         if isinstance(data, torch._utils.ExceptionWrapper):
             data.reraise()
         if self._pin_memory:  # a no-op for slab tensors: their slab is already page-locked
