@@ -393,6 +393,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
 
     def __init__(self, loader: DataLoader, restore: resume.Progress | None = None) -> None:
         self._owner_pid = os.getpid()
+        self._replacements = 0  # workers replaced (respawned, or past the decode deadline)
         self._start_progress(loader, restore,
                              functools.partial(_BaseDataLoaderIter.__init__, self))
         self._prefetch_factor = loader.prefetch_factor
@@ -553,6 +554,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                     f"DataLoader worker {worker_id} died {self._task_deaths[i]} times on the "
                     f"same batch (indices {self._task_index[i]}; last: {why}); not respawning"
                 )
+        self._replacements += 1
         old = self._workers[worker_id]
         if old.is_alive():  # its channel broke but it lingers: it must not write on
             old.terminate()

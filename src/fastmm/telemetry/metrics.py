@@ -69,36 +69,57 @@ class Distribution:
     SUB_BUCKETS = 128
     _MIN_EXP, _MAX_EXP = -40, 64  # values from ~1e-12 (below: the zero bucket) to ~1.8e19
 
+    FLUSH_VALUES = 4096  # values are taken in this many at a time: a drain's few cost no sort
+
     def __init__(self, exact_values: int | None = None):
         self._cap = self.EXACT_VALUES if exact_values is None else exact_values
         self._exact: list[np.ndarray] = []
-        self._pending: list[float] = []  # scalars added one at a time, not yet in _exact
         self._kept = 0  # values in _exact
         self._buckets: np.ndarray | None = None
-        self.count, self.total, self.max = 0, 0.0, -np.inf
+        # values added and not yet taken in (a scalar each, or arrays): count, mean and max are
+        # brought up to date as they are read
+        self._scalars: list[float] = []
+        self._arrays: list[np.ndarray] = []
+        self._waiting = 0  # values in _arrays
+        self._count, self._total, self._max = 0, 0.0, -np.inf
 
     def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        self.max = max(self.max, value)
-        self._pending.append(value)
-        if len(self._pending) >= 4096:
+        self._scalars.append(value)
+        if len(self._scalars) + self._waiting >= self.FLUSH_VALUES:
             self._flush()
 
     def extend(self, values) -> None:
         a = np.asarray(values, dtype=np.float64).ravel()
         if a.size:
-            self.count += a.size
-            self.total += float(a.sum())
-            self.max = max(self.max, float(a.max()))
-            self._store(a)
+            self._arrays.append(a)
+            self._waiting += a.size
+            if len(self._scalars) + self._waiting >= self.FLUSH_VALUES:
+                self._flush()
+
+    @property
+    def count(self) -> int:
+        self._flush()
+        return self._count
+
+    @property
+    def total(self) -> float:
+        self._flush()
+        return self._total
+
+    @property
+    def max(self) -> float:
+        self._flush()
+        return self._max
 
     def _flush(self) -> None:
-        if self._pending:
-            self._store(np.array(self._pending, dtype=np.float64))
-            self._pending = []
-
-    def _store(self, a: np.ndarray) -> None:
+        if not (self._scalars or self._arrays):
+            return
+        parts = self._arrays + ([np.array(self._scalars, dtype=np.float64)] if self._scalars else [])
+        a = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._scalars, self._arrays, self._waiting = [], [], 0
+        self._count += a.size
+        self._total += float(a.sum())
+        self._max = max(self._max, float(a.max()))
         if self._buckets is None:
             self._exact.append(a)
             self._kept += a.size

@@ -64,7 +64,7 @@ class SpanLog:
             for row in range(rows):
                 _COUNT.pack_into(self._bytes, row * self._row_bytes, 0)
         self._view = np.frombuffer(self._bytes, dtype=np.int64).reshape(rows, -1)
-        self._drained = [0] * rows
+        self._drained = np.zeros(rows, dtype=np.int64)
         self.dropped = 0
 
     def write(self, row: int, code: int, start_ns: int, end_ns: int, value: int = 0) -> None:
@@ -125,11 +125,9 @@ class SpanLog:
     def drain(self) -> np.ndarray:
         """New records since the last drain, as rows of (process row, stage, start, end, value)."""
         blocks = []
-        for row in range(self.rows):
-            written = int(self._view[row, 0])
-            start = self._drained[row]
-            if written == start:
-                continue
+        counts = self._view[:, 0].copy()  # every row's count in one read
+        for row in np.flatnonzero(counts != self._drained).tolist():
+            written, start = int(counts[row]), int(self._drained[row])
             if written - start > self.capacity:  # the writer lapped us: the oldest are gone
                 self.dropped += written - start - self.capacity
                 start = written - self.capacity

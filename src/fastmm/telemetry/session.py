@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 from . import export
@@ -155,12 +156,13 @@ class Telemetry:
         if len(block):
             if self.trace:
                 self._spans.append(block)
-            seconds = (block[:, 3] - block[:, 2]) / 1e9
-            self._collated += int(block[block[:, 1] == _COLLATE, 4].sum())
-            runs = (block[:, 1] == _SAMPLE) & (block[:, 4] > 0)  # samples timed together
+            codes, seconds = block[:, 1], (block[:, 3] - block[:, 2]) / 1e9
+            self._collated += int(block[codes == _COLLATE, 4].sum())
+            runs = (codes == _SAMPLE) & (block[:, 4] > 0)  # samples timed together
             self._sample_runs_s += float(seconds[runs].sum())
-            for code, name in enumerate(STAGES):
-                self._stages[name].extend(seconds[(block[:, 1] == code) & ~runs])
+            codes, seconds = codes[~runs], seconds[~runs]
+            for code in np.flatnonzero(np.bincount(codes, minlength=len(STAGES))).tolist():
+                self._stages[STAGES[code]].extend(seconds[codes == code])
         self._resolve_gpu(wait=False)
 
     def _epoch(self, loader, iterate) -> "_EpochIterator":
@@ -312,12 +314,14 @@ class _EpochIterator(_Forwarding):
     (workers, ...) are the loader iterator's. The epoch's figures close when it runs out, or
     when the loop lets go of it."""
 
-    _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_pids", "_last", "_ended")
+    _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_replaced", "_last", "_ended",
+            "_batched")
 
     def __init__(self, tm: Telemetry, loader, it, t_iter: int, start: tuple):
         self._tm, self._loader, self._it, self._t_iter = tm, loader, it, t_iter
         self._start = start
-        self._pids = tm._workers()
+        self._replaced = _replacements(it)
+        self._batched = getattr(loader, "_auto_collation", True)
         self._last = None
         self._ended = False
 
@@ -350,10 +354,10 @@ class _EpochIterator(_Forwarding):
             tm._loop["step_s"].add((t1 - self._last) / 1e9)
         self._last = t1
         tm._batches += 1
-        tm._samples += _batch_len(batch, self._loader)
-        now_pids = tm._workers()
-        tm._restarts += sum(a != b for a, b in zip(self._pids, now_pids))
-        self._pids = now_pids
+        tm._samples += _batch_len(batch, self._batched, self._loader)
+        if _replacements(self._it) != self._replaced:
+            tm._restarts += _replacements(self._it) - self._replaced
+            self._replaced = _replacements(self._it)
         if tm._batches % 64 == 0:
             tm._drain()
         return batch
@@ -441,9 +445,17 @@ def _concat(blocks):
     return np.concatenate(blocks) if blocks else np.empty((0, 5), dtype=np.int64)
 
 
-def _batch_len(batch, loader) -> int:
-    """Samples in a batch: the first dimension of its first tensor, else the batch size."""
-    batched = getattr(loader, "_auto_collation", True)
+def _replacements(it) -> int:
+    """Workers the loader's iterator has replaced so far (fastmm's respawn and decode deadline:
+    torch's loader replaces none)."""
+    return getattr(it, "_replacements", 0)
+
+
+def _batch_len(batch, batched: bool, loader) -> int:
+    """Samples in a batch (``batched``: the loader collates samples into batches): the first
+    dimension of its first tensor, else the batch size."""
+    if type(batch) is torch.Tensor:  # the common case, without the walk
+        return int(batch.shape[0]) if batch.dim() and batched else 1
     stack = [batch]
     while stack:
         x = stack.pop(0)
