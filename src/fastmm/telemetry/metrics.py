@@ -69,7 +69,7 @@ class Distribution:
     SUB_BUCKETS = 128
     _MIN_EXP, _MAX_EXP = -40, 64  # values from ~1e-12 (below: the zero bucket) to ~1.8e19
 
-    FLUSH_VALUES = 4096  # values are taken in this many at a time: a drain's few cost no sort
+    FLUSH_VALUES = 4096  # values are taken in this many at a time, not a drain's few each time
 
     def __init__(self, exact_values: int | None = None):
         self._cap = self.EXACT_VALUES if exact_values is None else exact_values

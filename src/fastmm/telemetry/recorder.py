@@ -368,7 +368,7 @@ class TimedIterableDataset(_Forwarding, torch.utils.data.IterableDataset):
 class _TimedIterator(_Forwarding):
     """The dataset's iterator, each next() a "sample" span; its own attributes (a resumable
     stream's state_dict) stay reachable. Spans are written a batch at a time (at collate, at
-    the iterator's end, or every 64 samples), as TimedDataset's __getitems__ does."""
+    the iterator's end, or every 64 samples) through write_spans."""
 
     _OWN = ("_it", "_log", "_row", "_starts", "_ends")
 

@@ -355,9 +355,10 @@ class _EpochIterator(_Forwarding):
         self._last = t1
         tm._batches += 1
         tm._samples += _batch_len(batch, self._batched, self._loader)
-        if _replacements(self._it) != self._replaced:
-            tm._restarts += _replacements(self._it) - self._replaced
-            self._replaced = _replacements(self._it)
+        replaced = _replacements(self._it)
+        if replaced != self._replaced:
+            tm._restarts += replaced - self._replaced
+            self._replaced = replaced
         if tm._batches % 64 == 0:
             tm._drain()
         return batch
