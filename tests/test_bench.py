@@ -687,6 +687,29 @@ def test_resume_cost_quick_run_times_both_ways(tmp_path):
     assert "ratio" in (out / "resume_cost.md").read_text()
 
 
+def test_telemetry_cost_quick_run_pairs_every_arm_with_off(tmp_path):
+    """python -m fastmm.bench.telemetry_cost end to end on the tiny dataset, 2 blocks: every
+    arm of every block drew samples in its windows, the ratios to "off" (the noise floor's
+    arm too) are paired per block, and the aims get a verdict."""
+    from fastmm.bench import telemetry_cost
+
+    out = tmp_path / "out"
+    assert telemetry_cost.main(["--quick", "--workloads", "tiny", "--reps", "2",
+                                "--min-seconds", "0.3", "--window-seconds", "0.1",
+                                "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    case = json.loads((out / "telemetry_cost.json").read_text())["cases"]["tiny"]
+    for name, blocks in case["blocks"].items():
+        assert len(blocks) == 2 and blocks[0]["workers_alive_after"] == 0
+        for figs in blocks:
+            for mode in telemetry_cost.MODES:
+                assert figs[mode]["seconds"] >= 0.3 and figs[mode]["samples"] > 0
+                assert (figs[mode]["sampler_cpu_percent"] > 0) == (not mode.startswith("off"))
+        for mode in telemetry_cost.MODES[1:]:
+            assert case["on_over_off"][f"{name} {mode}"]["n"] == 2
+        assert case["verdicts"][f"{name} summary"] in ("met", "NOT met", "not shown")
+    assert "noise floor" in (out / "telemetry_cost.md").read_text()
+
+
 def _bad_command_lines(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
