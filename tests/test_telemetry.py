@@ -121,26 +121,27 @@ def test_an_endless_stream_counts_the_samples_of_the_batches_it_made(loader_cls,
     assert 0.014 <= m["sample_s"]["p50"] <= SAMPLE_S_MAX, m["sample_s"]
 
 
-def test_spans_written_together_keep_their_order_and_count_what_the_ring_lost():
+def test_records_written_together_keep_their_order_and_count_what_the_ring_lost():
     from fastmm.telemetry.recorder import SpanLog
 
-    log = SpanLog(rows=2, capacity=8)
-    log.write_spans(1, 3, [10, 20, 30], [11, 21, 31])
-    first = log.drain()
-    assert first.tolist() == [[1, 3, 10, 11, 0], [1, 3, 20, 21, 0], [1, 3, 30, 31, 0]]
-    log.write(1, 2, 40, 41, 7)
-    log.write_spans(1, 0, list(range(100, 120)), list(range(200, 220)))  # more than 8 at once
-    rest = log.drain()
-    assert rest[:, 2].tolist() == list(range(112, 120))
-    assert rest[:, 3].tolist() == list(range(212, 220))
-    assert log.dropped == 13  # the single write and the first 12 of the 20
-    log.write_spans(1, 0, [], [])
-    assert len(log.drain()) == 0
-    log.write_spans(1, 1, [300, 301, 302, 303, 304, 305], [400, 401, 402, 403, 404, 405])
-    log.write(0, 4, 7, 8, 256)  # ring slots 4..7 then 0..1: two slices, in order
-    assert log.drain().tolist() == [[0, 4, 7, 8, 256]] + [
-        [1, 1, 300 + i, 400 + i, 0] for i in range(6)]
+    def flat(spans):
+        return [v for span in spans for v in span]
 
+    log = SpanLog(rows=2, capacity=8)
+    log.write_records(1, flat([(0, 10 + i, 20 + i, i) for i in range(5)]))
+    assert log.drain().tolist() == [[1, 0, 10 + i, 20 + i, i] for i in range(5)]
+    log.write_records(1, flat([(1, 30 + i, 40 + i, 0) for i in range(6)]))  # slots 5..7, 0..2
+    assert log.drain().tolist() == [[1, 1, 30 + i, 40 + i, 0] for i in range(6)]
+    log.write(1, 3, 50, 51, 7)
+    log.write_records(1, flat([(2, 100 + i, 200 + i, 1) for i in range(11)]))  # more than 8
+    assert log.drain()[:, 2].tolist() == list(range(103, 111))
+    assert log.dropped == 4  # the single write and the first 3 of the 11
+    log.write_records(1, [])
+    assert len(log.drain()) == 0
+    log.write_records(1, flat([(4, 300 + i, 400 + i, 0) for i in range(3)]))
+    log.write(0, 4, 7, 8, 256)  # rows drain in order
+    assert log.drain().tolist() == [[0, 4, 7, 8, 256]] + [
+        [1, 4, 300 + i, 400 + i, 0] for i in range(3)]
 
 
 def test_an_epoch_the_loop_lets_go_of_ends_its_workers_as_unwatched(loader_cls):
@@ -238,7 +239,9 @@ def test_quick_samples_timed_in_runs_still_count_in_the_pipeline_rate(loader_cls
     m = tm.summary()["metrics"]
     assert 40 * 8 <= m["sample_s"]["count"] < 40 * 256
     assert m["sample_s"]["p50"] >= 5e-6
-    rate_bound = max(1, workers) / m["sample_s"]["mean"]  # what workers fetching nonstop make
+    # what workers fetching nonstop make, by the median sample: one preemption (4 ms here)
+    # inside a sample timed alone moves the mean of a thousand by several us
+    rate_bound = max(1, workers) / m["sample_s"]["p50"]
     assert m["samples_per_s"] <= 1.25 * rate_bound, (m["samples_per_s"], rate_bound)
 
 
