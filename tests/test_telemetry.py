@@ -202,7 +202,7 @@ def _batches_of_spans(spans, batch_size: int) -> list[list[tuple[int, int, int, 
     return batches
 
 
-@pytest.mark.parametrize("dataset, alone", [(Quick(), "some"), (Spin(0.0002), "all")])
+@pytest.mark.parametrize("dataset, alone", [(Quick(), "some"), (Spin(0.0006), "all")])
 def test_a_batch_times_its_samples_alone_while_that_is_cheap_and_the_rest_as_runs(dataset, alone):
     from fastmm.telemetry.recorder import SpanLog, TimedDataset
 
@@ -220,8 +220,8 @@ def test_a_batch_times_its_samples_alone_while_that_is_cheap_and_the_rest_as_run
         alone_at = [i for i, (_, _, value) in enumerate(spans) if value == 0]
         if alone == "all" or k == 0:
             assert len(alone_at) == size
-        else:  # at least 8, in one block that starts after the previous batch's
-            assert 8 <= len(alone_at) < size and alone_at == list(range(alone_at[0],
+        else:  # at least one, in one block that starts after the previous batch's
+            assert 1 <= len(alone_at) < size and alone_at == list(range(alone_at[0],
                                                                         alone_at[-1] + 1))
             firsts.append(sum(v for _, _, v in spans[:alone_at[0]]))
     assert alone == "all" or firsts == sorted(set(firsts))
@@ -237,7 +237,7 @@ def test_quick_samples_timed_in_runs_still_count_in_the_pipeline_rate(loader_cls
         if i == 40:
             break
     m = tm.summary()["metrics"]
-    assert 40 * 8 <= m["sample_s"]["count"] < 40 * 256
+    assert 40 <= m["sample_s"]["count"] < 40 * 256  # at least one a batch timed alone
     assert m["sample_s"]["p50"] >= 5e-6
     # what workers fetching nonstop make, by the median sample: one preemption (4 ms here)
     # inside a sample timed alone moves the mean of a thousand by several us

@@ -240,11 +240,11 @@ def _timed_collate(log: SpanLog, fn, batch):
     return out
 
 
-# Timing a sample on its own costs ~0.7 us (a clock read, two appends, its record): on
-# samples of under ~140 us a batch times as many one by one as keeps that under 0.5% of its
-# time (at least 8, from a place in the batch that moves on each batch) and the others as runs.
-_BATCH_NS_PER_TIMED_SAMPLE = 140_000
-_MIN_TIMED = 8
+# Timing a sample on its own costs ~0.5 us timed alone (a clock read, its record) and a few
+# us in a busy worker: of samples under ~0.5 ms a batch times one alone per 0.5 ms of its time
+# (at least one, from a place in the batch that moves on each batch) and the others as runs.
+_BATCH_NS_PER_TIMED_SAMPLE = 500_000
+_MIN_TIMED = 1
 
 
 class _Forwarding:
