@@ -704,6 +704,7 @@ def test_telemetry_cost_quick_run_pairs_every_arm_with_off(tmp_path):
             for mode in telemetry_cost.MODES:
                 assert figs[mode]["seconds"] >= 0.3 and figs[mode]["samples"] > 0
                 assert (figs[mode]["sampler_cpu_percent"] > 0) == (not mode.startswith("off"))
+                assert figs[mode]["spans_dropped"] == 0
         for mode in telemetry_cost.MODES[1:]:
             assert case["on_over_off"][f"{name} {mode}"]["n"] == 2
         assert case["verdicts"][f"{name} summary"] in ("met", "NOT met", "not shown")

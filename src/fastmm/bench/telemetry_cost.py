@@ -99,15 +99,18 @@ class _Arm:
             self.seconds += t - t0
             self.cpu_s += time.thread_time() + self._workers_cpu() - cpu0
 
-    def close(self) -> float:
-        """End the arm's loader; its telemetry sampler thread's CPU seconds."""
+    def close(self) -> dict:
+        """End the arm's loader; its telemetry's sampler thread CPU seconds and spans lost
+        (a ring the drain fell behind on: that arm recorded less than it should have)."""
         if hasattr(self.it, "close"):
             self.it.close()
         self.it = None
         if self.session is None:
-            return 0.0
+            return {"sampler_cpu_s": 0.0, "spans_dropped": 0}
         self.session.close()
-        return self.session.summary()["sampler_cpu_s"]
+        summary = self.session.summary()
+        return {"sampler_cpu_s": summary["sampler_cpu_s"],
+                "spans_dropped": summary["metrics"]["spans_dropped"]}
 
 
 def _block(make, window_s: float, min_s: float, warmup_s: float, consume, index: int) -> dict:
@@ -128,12 +131,14 @@ def _block(make, window_s: float, min_s: float, warmup_s: float, consume, index:
     block_s = time.perf_counter() - started
     figures = {}
     for mode, arm in arms.items():
-        sampler_s = arm.close()
+        ended = arm.close()
+        sampler_s = ended["sampler_cpu_s"]
         cpu_s = arm.cpu_s + sampler_s * arm.seconds / block_s  # the sampler ran all block
         figures[mode] = {"samples": arm.samples, "seconds": arm.seconds,
                          "samples_per_s": arm.samples / arm.seconds,
                          "cpu_us_per_sample": cpu_s / arm.samples * 1e6,
-                         "sampler_cpu_percent": 100 * sampler_s / block_s}
+                         "sampler_cpu_percent": 100 * sampler_s / block_s,
+                         "spans_dropped": ended["spans_dropped"]}
     del arms
     gc.collect()
     figures["workers_alive_after"] = harness._wait_for_children()
