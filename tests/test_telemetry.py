@@ -439,6 +439,36 @@ def test_same_names_and_units_for_both_loaders(tmp_path):
     assert summaries["fastmm"]["loader"] == "fastmm.loader.DataLoader"
 
 
+class Indexed(Dataset):
+    def __len__(self):
+        return 150
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_loop_figures_count_every_batch_of_epochs_that_interleave_and_a_summary_midway(
+        loader_cls):
+    """The loop notes each next() and makes its figures 64 batches at a time: a summary taken
+    midway, two epochs of one loader iterated in turn, and an epoch's end each count every
+    batch once, and a step spans the batches on either side of a flush."""
+    tm = Telemetry(trace=True)
+    watched = tm.watch(loader_cls(Indexed(), batch_size=1))
+    first, second = iter(watched), iter(watched)
+    got = [next(first) for _ in range(70)]
+    m = tm.summary()["metrics"]
+    assert tm.summary()["batches"] == 70 and m["queue_wait_s"]["count"] == 70
+    assert m["first_batch_s"]["count"] == 1 and m["step_s"]["count"] == 69
+    for a, b in zip(first, second):
+        got += [a, b]
+    got += list(second)  # the rest of the second epoch, on its own
+    assert sorted(torch.cat(got).tolist()) == sorted(list(range(150)) * 2)
+    m = tm.summary()["metrics"]
+    assert tm.summary()["batches"] == 300 and m["queue_wait_s"]["count"] == 300
+    assert m["first_batch_s"]["count"] == 2 and m["step_s"]["count"] == 298
+    assert 0 <= m["step_s"]["max"] < 5 and len([e for e in tm._loop_events if e[0] == "wait"]) == 300
+
+
 def test_chrome_trace_has_a_track_per_worker_and_every_span(loader_cls, tmp_path):
     tm = Telemetry(trace=True)
     for _ in tm.watch(loader_cls(Staged(), batch_size=4, num_workers=2)):

@@ -86,15 +86,19 @@ class SpanLog:
         """Records given flat (code, start, end, value, code, ...), packed in one call: a
         batch's sample spans cost its worker one write instead of one each."""
         n = len(records) >> 2
-        skip = max(0, n - self.capacity)  # more than the ring holds: the oldest are overwritten
         head = row * self._row_bytes
         count = _COUNT.unpack_from(self._bytes, head)[0]
-        at = 4 * skip
-        for first, stop in self._slots(count + skip, count + n):
-            m = stop - first
-            part = records if m == n else records[at:at + 4 * m]
-            _records_struct(m).pack_into(self._bytes, head + 8 + first * 8 * _FIELDS, *part)
-            at += 4 * m
+        at = count % self.capacity
+        if at + n <= self.capacity:  # the common case: one stretch of the ring
+            _records_struct(n).pack_into(self._bytes, head + 8 + at * 8 * _FIELDS, *records)
+        else:
+            skip = max(0, n - self.capacity)  # more than the ring holds: the oldest are lost
+            at = 4 * skip
+            for first, stop in self._slots(count + skip, count + n):
+                m = stop - first
+                _records_struct(m).pack_into(self._bytes, head + 8 + first * 8 * _FIELDS,
+                                             *records[at:at + 4 * m])
+                at += 4 * m
         _COUNT.pack_into(self._bytes, head, count + n)  # published after the records
 
     def _records(self, row: int) -> np.ndarray:
@@ -271,13 +275,14 @@ class TimedDataset(_Forwarding, torch.utils.data.Dataset):
     """A map-style dataset that records each __getitem__ as a "sample" span (unless the dataset
     marks its own samples) and makes stage() marks inside it count."""
 
-    _OWN = ("_inner", "_log", "_marks_samples", "_timed_per_batch", "_first_timed")
+    _OWN = ("_inner", "_log", "_marks_samples", "_plan")
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
         self._marks_samples = any(all_wrapped(dataset, "marks_sample_stage"))
-        self._timed_per_batch = 1 << 62  # the first batch: every sample
-        self._first_timed = 0
+        # [samples the next batch times alone (the first batch: all), where they start]; a
+        # list, not attributes: setting those goes through _Forwarding's __setattr__
+        self._plan = [1 << 62, 0]
 
     def __len__(self):
         return len(self._inner)
@@ -303,33 +308,36 @@ class TimedDataset(_Forwarding, torch.utils.data.Dataset):
         if not isinstance(indices, (list, tuple)):  # a batch sampler may yield any iterable
             indices = list(indices)
         n = len(indices)
-        timed = min(n, self._timed_per_batch)
-        first = self._first_timed % n if timed < n else 0
-        self._first_timed = first + timed
+        plan = self._plan
+        first = plan[1] % n if plan[0] < n else 0
+        stop = min(n, first + plan[0])  # samples first..stop are timed alone
+        plan[1] = first + plan[0]
         clock = time.monotonic_ns
         records = []  # flat: (code, start, end, samples timed together or 0), ...
         start = began = clock()
         try:
-            items = [inner[index] for index in indices[:first]]
             if first:  # samples timed together: one span, its value their number
+                items = [inner[index] for index in indices[:first]]
                 end = clock()
                 records += (_SAMPLE, start, end, first)
                 start = end
-            for index in indices[first:first + timed]:
+            else:
+                items = []
+            for index in indices[first:stop]:
                 items.append(inner[index])
                 end = clock()
                 records += (_SAMPLE, start, end, 0)
                 start = end
-            rest = indices[first + timed:]
-            if rest:
-                items += [inner[index] for index in rest]
+            if stop < n:
+                items += [inner[index] for index in indices[stop:]]
                 end = clock()
-                records += (_SAMPLE, start, end, len(rest))
+                records += (_SAMPLE, start, end, n - stop)
                 start = end
         finally:  # the batch's spans in one write, not one a span (in place, on tiny
             if records:  # samples, that was ~1% of the loader's rate)
                 log.write_records(row, records)
-        self._timed_per_batch = max(_MIN_TIMED, (start - began) // _BATCH_NS_PER_TIMED_SAMPLE)
+        timed = (start - began) // _BATCH_NS_PER_TIMED_SAMPLE
+        plan[0] = timed if timed > _MIN_TIMED else _MIN_TIMED
         return items
 
 
