@@ -456,15 +456,17 @@ def test_loop_figures_count_every_batch_of_epochs_that_interleave_and_a_summary_
     watched = tm.watch(loader_cls(Indexed(), batch_size=1))
     first, second = iter(watched), iter(watched)
     got = [next(first) for _ in range(70)]
-    m = tm.summary()["metrics"]
-    assert tm.summary()["batches"] == 70 and m["queue_wait_s"]["count"] == 70
+    summary = tm.summary()
+    m = summary["metrics"]
+    assert summary["batches"] == 70 and m["queue_wait_s"]["count"] == 70
     assert m["first_batch_s"]["count"] == 1 and m["step_s"]["count"] == 69
     for a, b in zip(first, second):
         got += [a, b]
     got += list(second)  # the rest of the second epoch, on its own
     assert sorted(torch.cat(got).tolist()) == sorted(list(range(150)) * 2)
-    m = tm.summary()["metrics"]
-    assert tm.summary()["batches"] == 300 and m["queue_wait_s"]["count"] == 300
+    summary = tm.summary()
+    m = summary["metrics"]
+    assert summary["batches"] == 300 and m["queue_wait_s"]["count"] == 300
     assert m["first_batch_s"]["count"] == 2 and m["step_s"]["count"] == 298
     waits = [e for e in tm._loop_events if e[0] == "wait"]
     assert 0 <= m["step_s"]["max"] < 5 and len(waits) == 300

@@ -93,12 +93,12 @@ class SpanLog:
             _records_struct(n).pack_into(self._bytes, head + 8 + at * 8 * _FIELDS, *records)
         else:
             skip = max(0, n - self.capacity)  # more than the ring holds: the oldest are lost
-            at = 4 * skip
+            taken = 4 * skip  # values of ``records`` packed so far (or skipped)
             for first, stop in self._slots(count + skip, count + n):
                 m = stop - first
                 _records_struct(m).pack_into(self._bytes, head + 8 + first * 8 * _FIELDS,
-                                             *records[at:at + 4 * m])
-                at += 4 * m
+                                             *records[taken:taken + 4 * m])
+                taken += 4 * m
         _COUNT.pack_into(self._bytes, head, count + n)  # published after the records
 
     def _records(self, row: int) -> np.ndarray:
