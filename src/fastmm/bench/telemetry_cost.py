@@ -120,9 +120,10 @@ def _block(make, window_s: float, min_s: float, warmup_s: float, consume, index:
     CPU as a percentage of one core."""
     arms: dict[str, _Arm] = {}
     started = time.perf_counter()
-    for mode in harness.rotated(list(MODES), index):
-        arms[mode] = _Arm(make(), mode)
-        arms[mode].window(warmup_s, consume, counted=False)
+    for mode in harness.rotated(list(MODES), index):  # every arm's workers fork before any
+        arms[mode] = _Arm(make(), mode)  # sampler thread starts (see _EpochIterator)
+    for arm in arms.values():
+        arm.window(warmup_s, consume, counted=False)
     rounds = 0
     while min(arm.seconds for arm in arms.values()) < min_s:
         for mode in harness.rotated(list(MODES), rounds):

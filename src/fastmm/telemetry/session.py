@@ -172,7 +172,6 @@ class Telemetry:
         if threading.get_native_id() != self._loop_tid:
             self._loop_tid = threading.get_native_id()
             self._note_loop_reads(first=True)
-        self._start_sampler()
         t_iter = self._epoch_since_ns = time.monotonic_ns()
         self._drain()  # spans of earlier epochs are not this one's
         start = (self._samples, self._collated, self.log.dropped)
@@ -320,10 +319,16 @@ class _EpochIterator(_Forwarding):
 
     A next() only notes its two clock readings and the batch's samples: the figures are made
     from them 64 batches at a time (``_flush``), as a summary asks, and as the epoch ends
-    (made a batch at a time, they cost the loop ~13 us a batch in place)."""
+    (made a batch at a time, they cost the loop ~13 us a batch in place).
+
+    The session's sampler thread starts at the first next(), once the workers have forked
+    (they fork as the loader's iterator is made): a Python thread alive at the fork leaves
+    every worker's malloc on glibc's multi-threaded path, ~4% more CPU a batch on tiny
+    samples here. At the first next(), not as the iterator is made, so that a process making
+    several loaders' iterators in turn (a benchmark's arms) forks them all first."""
 
     _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_replaced", "_last", "_ended",
-            "_batched", "_times")
+            "_batched", "_times", "_sampling")
 
     def __init__(self, tm: Telemetry, loader, it, t_iter: int, start: tuple):
         self._tm, self._loader, self._it, self._t_iter = tm, loader, it, t_iter
@@ -333,6 +338,7 @@ class _EpochIterator(_Forwarding):
         self._last = None  # when the loop got the last batch flushed
         self._ended = False
         self._times = []  # (when next() was called, when it returned) of each batch, flat
+        self._sampling = False
         tm._epochs.add(self)
 
     def __iter__(self):
@@ -344,6 +350,9 @@ class _EpochIterator(_Forwarding):
     def __next__(self):
         if self._ended:
             raise StopIteration
+        if not self._sampling:
+            self._tm._start_sampler()
+            self._sampling = True
         t0 = time.monotonic_ns()
         try:
             batch = next(self._it)
