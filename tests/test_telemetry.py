@@ -337,8 +337,8 @@ os.register_at_fork(before=_note_threads_at_fork)
 
 
 def test_workers_fork_before_the_sampler_thread_starts_and_it_still_samples(loader_cls):
-    """A Python thread alive as the workers fork leaves glibc's malloc in every worker on its
-    locked path (~4% more CPU a batch on tiny samples): the sampler starts at an epoch's first
+    """A Python thread alive as the workers fork makes every malloc and free in them cost
+    more (~4% more CPU a batch on tiny samples): the sampler starts at an epoch's first
     batch, after the loader's iterator forked its workers, and stops as the epoch ends."""
     global _threads_at_fork
     tm = Telemetry(interval_s=0.01)

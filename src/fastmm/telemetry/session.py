@@ -322,9 +322,9 @@ class _EpochIterator(_Forwarding):
     (made a batch at a time, they cost the loop ~13 us a batch in place).
 
     The session's sampler thread starts at the first next(), once the workers have forked
-    (they fork as the loader's iterator is made): a Python thread alive at the fork leaves
-    every worker's malloc on glibc's multi-threaded path, ~4% more CPU a batch on tiny
-    samples here. At the first next(), not as the iterator is made, so that a process making
+    (they fork as the loader's iterator is made): with a Python thread alive in this process
+    at the fork, every malloc and free in the worker costs more (glibc 2.36), ~4% more CPU a
+    batch on tiny samples here; a thread the worker starts itself costs it nothing measurable. At the first next(), not as the iterator is made, so that a process making
     several loaders' iterators in turn (a benchmark's arms) forks them all first."""
 
     _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_replaced", "_last", "_ended",
