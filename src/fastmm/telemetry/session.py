@@ -324,8 +324,10 @@ class _EpochIterator(_Forwarding):
     The session's sampler thread starts at the first next(), once the workers have forked
     (they fork as the loader's iterator is made): with a Python thread alive in this process
     at the fork, every malloc and free in the worker costs more (glibc 2.36), ~4% more CPU a
-    batch on tiny samples here; a thread the worker starts itself costs it nothing measurable. At the first next(), not as the iterator is made, so that a process making
-    several loaders' iterators in turn (a benchmark's arms) forks them all first."""
+    batch on tiny samples here; a thread the worker starts itself costs it nothing
+    measurable. At the first next(), not as the iterator is made, so that a process making
+    several loaders' iterators in turn (a benchmark's arms) forks them all first. Its start
+    counts in neither the epoch's time nor its first batch's, as when it started before."""
 
     _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_replaced", "_last", "_ended",
             "_batched", "_times", "_sampling")
@@ -353,7 +355,10 @@ class _EpochIterator(_Forwarding):
         if not self._sampling:
             began = time.monotonic_ns()
             self._tm._start_sampler()
-            self._t_iter += time.monotonic_ns() - began  # (~0.5 ms) not the first batch's
+            starting = time.monotonic_ns() - began  # (~0.5 ms) not the epoch's own time
+            if self._tm._epoch_since_ns == self._t_iter:  # (a summary's epoch so far too)
+                self._tm._epoch_since_ns += starting
+            self._t_iter += starting
             self._sampling = True
         t0 = time.monotonic_ns()
         try:
