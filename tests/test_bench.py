@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("torchvision")
 pytest.importorskip("PIL")
 
-from fastmm.bench import harness, stats, workloads  # noqa: E402
+from fastmm.bench import cli, harness, stats, workloads  # noqa: E402
 
 ENV_KEYS = {
     "timestamp_utc", "command", "argv", "cwd", "python", "python_implementation", "platform",
@@ -370,7 +370,16 @@ def test_sum64_reads_every_byte():
     assert workloads.sum64(strided) == workloads.sum64(strided.contiguous())
     assert workloads.crc32(clip) == zlib.crc32(clip.numpy().tobytes())
     assert workloads.first_batch_digest(clip) == zlib.crc32(clip.numpy().tobytes())
-    assert set(workloads.CONSUMERS) == {"sum64", "crc32"} and workloads.DEFAULT_CONSUMER == "sum64"
+    assert set(workloads.CONSUMERS) == {"sum64", "crc32", "cuda"}
+    assert workloads.DEFAULT_CONSUMER == "sum64"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("flags", [["--consume", "cuda"], ["--pin-memory"]])
+def test_gpu_copies_without_a_gpu_are_refused_up_front(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["--quick", *flags])
+    assert exit_info.value.code == 2 and "need a CUDA device" in capsys.readouterr().err
 
 
 def test_caption_batches_are_counted_and_read_whole():

@@ -41,6 +41,13 @@ def test_pinned_slabs_copy_to_the_gpu_without_staging(workers):
         assert int(on_gpu[0, 0, 0, 0]) == (8 * k) % 251
 
 
+def test_the_benchmarks_cuda_consumer_copies_every_tensor_of_the_batch():
+    from fastmm.bench.workloads import to_cuda
+
+    batch = [torch.arange(1000, dtype=torch.uint8).pin_memory(), {"b": torch.ones(3, 5)}, "text"]
+    assert to_cuda(batch) == 1000 + 3 * 5 * 4
+
+
 def test_a_batch_dropped_while_its_copy_is_queued_arrives_whole():
     """The usual loop, x = x.cuda(non_blocking=True), drops the host batch while its copy may
     still wait behind GPU work: its slab must not go back to the worker (which would write the

@@ -93,13 +93,13 @@ class Case:
 
 
 def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: int, consume,
-                seed: int, collate_fn=None) -> Arm:
+                seed: int, collate_fn=None, pin_memory: bool = False) -> Arm:
     def make():
         # The same global seed before every loader: both draw the same base seed, so their
         # workers' random transforms (decode) make the same batches and the digests compare.
         torch.manual_seed(seed)
         return loader_class(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                            collate_fn=collate_fn)
+                            collate_fn=collate_fn, pin_memory=pin_memory)
 
     def run(min_seconds: float, sample_pss: bool, step_s: float | None) -> dict:
         return harness.run_loader(make, num_workers, min_seconds, consume, sample_pss=sample_pss,
@@ -113,6 +113,7 @@ def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: 
         f"{loader_class.__module__}.{loader_class.__qualname__}(batch_size={batch_size}, "
         f"num_workers={num_workers}, shuffle=False"
         + (f", collate_fn={collate_fn.__name__}" if collate_fn else "")
+        + (", pin_memory=True" if pin_memory else "")
         + f"; other arguments default), built right after torch.manual_seed({seed})",
     )
 
@@ -123,9 +124,9 @@ def _loader_arms(dataset, batch_size: int, args, collate_fn=None) -> list[Arm]:
     consume = CONSUMERS[args.consume][0]
     return [
         _loader_arm("torch", torch.utils.data.DataLoader, dataset, batch_size, args.num_workers,
-                    consume, args.seed, collate_fn),
+                    consume, args.seed, collate_fn, args.pin_memory),
         _loader_arm("fastmm", fastmm.DataLoader, dataset, batch_size, args.num_workers, consume,
-                    args.seed, collate_fn),
+                    args.seed, collate_fn, args.pin_memory),
     ]
 
 
@@ -155,9 +156,11 @@ def transport_case(args, clip_mode: str) -> Case:
         Arm(
             "consume-alone",
             "reference",
-            lambda s, _, __: harness.run_consume_only(dataset, b, s, consume, collate_fn),
-            f"the loop's consumer ({args.consume}) over one batch already in memory, repeatedly, "
-            "on one thread (the loop's own cost)",
+            lambda s, _, __: harness.run_consume_only(dataset, b, s, consume, collate_fn,
+                                                      pin_memory=args.pin_memory),
+            f"the loop's consumer ({args.consume}) over one batch already in "
+            + ("page-locked " if args.pin_memory else "")
+            + "memory, repeatedly, on one thread (the loop's own cost)",
         ),
     ]
     shape_text = "x".join(str(v) for v in shape)
@@ -567,7 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--consume", choices=sorted(CONSUMERS), default=DEFAULT_CONSUMER,
                         help="the training-loop stand-in that reads every byte of each batch: "
                         "'sum64' (uint64 sum, memory speed on one thread) or 'crc32' (zlib, "
-                        f"~3 GB/s) (default {DEFAULT_CONSUMER})")
+                        f"~3 GB/s) or 'cuda' (copied to the GPU, non_blocking, and synchronized; "
+                        f"with --pin-memory, the host-to-device path) (default {DEFAULT_CONSUMER})")
+    parser.add_argument("--pin-memory", action="store_true",
+                        help="both loaders with pin_memory=True (batches in page-locked memory, "
+                        "for --consume cuda's copies; needs CUDA)")
     parser.add_argument("--wait-quiet", type=options.number(0, above=False), default=0.0, metavar="SECONDS",
                         help="before each repetition, wait up to SECONDS until other processes use "
                         f"< {BUSY_CORES} cores, and redo (up to {BUSY_RETRIES} times) a timed or memory repetition "
@@ -580,6 +587,8 @@ def parse_args(argv=None):
     parser = build_parser()
     parser.set_defaults(**FULL)
     args = options.parse(parser, argv, QUICK)
+    if (args.pin_memory or args.consume == "cuda") and not torch.cuda.is_available():
+        parser.error("--pin-memory and --consume cuda need a CUDA device; torch sees none")
     args.cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return args
 
@@ -631,6 +640,7 @@ def main(argv=None) -> int:
             "cache_dir": str(args.cache_dir),
             "seed": args.seed,
             "consume": args.consume,
+            "pin_memory": args.pin_memory,
             "pace_factor": PACE_FACTOR,
             "kept_pace_fraction": KEPT_PACE,
             "pss_interval_s": harness.PSS_INTERVAL_S,

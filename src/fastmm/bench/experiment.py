@@ -113,13 +113,15 @@ class Config:
 
 class ModelStep:
     """A stand-in for the model's step: the host waits (GPU-bound), burns a core, or runs
-    matmuls on the GPU, for about ``ms`` per micro-batch (calibrated once)."""
+    matmuls on the GPU, for about ``ms`` per micro-batch (calibrated once). On the GPU they are
+    4096-square bf16 products: a few hundred kernels a step that fill the device, as a model's
+    do, rather than thousands of tiny ones that would keep the host busy launching them."""
 
     def __init__(self, mode: str, ms: float):
         self.mode, self.seconds, self.iters = mode, ms / 1e3, 0
         if mode in ("cpu", "cuda") and ms > 0:
-            device = "cuda" if mode == "cuda" else "cpu"
-            self.weight = torch.randn(256, 256, device=device)
+            self.weight = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+                           if mode == "cuda" else torch.randn(256, 256))
             self._matmuls(4)
             t0 = time.perf_counter()
             self._matmuls(20)

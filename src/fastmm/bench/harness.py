@@ -36,6 +36,7 @@ import numpy as np
 import psutil
 import torch
 from torch.utils.data import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from .workloads import Consumer, batch_len, batch_nbytes, first_batch_digest
 
@@ -407,12 +408,15 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Co
 
 
 def run_consume_only(dataset, batch_size: int, min_seconds: float, consume: Consumer,
-                     collate_fn=default_collate) -> dict:
-    """``consume`` alone over one batch already in memory, on one thread: the rate the training
-    loop's own reading allows, the ceiling for any loader."""
+                     collate_fn=default_collate, pin_memory: bool = False) -> dict:
+    """``consume`` alone over one batch already in memory (page-locked with ``pin_memory``, as
+    a pinning loader's batches are), on one thread: the rate the training loop's own reading
+    allows, the ceiling for any loader."""
     gc.collect()
     load1 = os.getloadavg()[0]
     batch = collate_fn([dataset[i] for i in range(batch_size)])
+    if pin_memory:
+        batch = torch_pin_memory(batch)
     window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
     with _OneThread():
         while not window.add(batch_len(batch), batch_nbytes(batch)):

@@ -163,6 +163,16 @@ def crc32(batch: torch.Tensor) -> int:
     return zlib.crc32(_bytes(batch))
 
 
+def to_cuda(batch) -> int:
+    """Copy every tensor of the batch to the GPU (``non_blocking=True``: asynchronous from
+    pinned memory, as a training loop copies) and wait for the copies; the bytes copied."""
+    leaves = [leaf for leaf in _leaves(batch) if isinstance(leaf, torch.Tensor)]
+    for leaf in leaves:
+        leaf.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    return sum(leaf.nbytes for leaf in leaves)
+
+
 Consumer = Callable[[torch.Tensor], int]
 
 # The training-loop stand-ins: name -> (function, what it does, for the report).
@@ -170,6 +180,8 @@ CONSUMERS: dict[str, tuple[Consumer, str]] = {
     "sum64": (sum64, "sum64: every byte of the batch read as uint64 words and summed (numpy "
               "add.reduce on one thread, modulo 2**64, tail bytes added separately)"),
     "crc32": (crc32, "crc32: zlib.crc32 over every byte of the batch"),
+    "cuda": (to_cuda, "cuda: the batch copied to the GPU (tensor.to('cuda', non_blocking=True), "
+             "then torch.cuda.synchronize)"),
 }
 DEFAULT_CONSUMER = "sum64"
 
