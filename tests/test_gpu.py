@@ -67,20 +67,36 @@ def test_a_batch_dropped_while_its_copy_is_queued_arrives_whole():
     assert all(bool((b[j] == b[j, 0, 0, 0]).all()) for b in arrived for j in range(2))
 
 
-def _jpeg(seed: int, size=(96, 128)) -> bytes:
+def _jpeg(seed: int, size=(96, 128), subsampling: int = 0) -> bytes:
+    """Noise, at 4:4:4 by default (the decoders' IDCTs alone differ); ``subsampling=2`` (4:2:0)
+    adds the chroma upsampling, where libjpeg-turbo's smoothing and nvJPEG's differ most on
+    noise."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     arr = (rng.random((*size, 3)) * 255).astype(np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90, subsampling=subsampling)
+    return buf.getvalue()
+
+
+def _photo_like(seed: int, size=(96, 128)) -> bytes:
+    """Smooth colour gradients with mild noise, 4:2:0 as most photos are stored."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size[0], 0:size[1]]
+    arr = np.stack([x * 2 + seed * 10, y * 2, (x + y) + 40], -1) % 256
+    arr = np.clip(arr + rng.normal(0, 4, arr.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90, subsampling=2)
     return buf.getvalue()
 
 
 def test_nvjpeg_batch_matches_the_cpu_decoder():
     from fastmm.decode import get_decoder
 
-    datas = [_jpeg(i) for i in range(6)]
+    datas = [_jpeg(i) for i in range(3)] + [_photo_like(i) for i in range(3)]
     gpu = get_decoder("torchvision", device="cuda").decode_jpeg_batch(datas)
     cpu = [get_decoder("torchvision").decode_image(d) for d in datas]
     for g, c in zip(gpu, cpu):
@@ -99,8 +115,53 @@ def test_crop_resize_on_the_gpu_matches_the_cpu():
     assert (gpu.cpu().int() - cpu.int()).abs().max() <= 1
 
 
-def test_nvdec_clip_frames_are_the_frames_asked_for(tmp_path):
+@pytest.fixture
+def nvdec():
+    """torchcodec able to decode on CUDA: PyPI's wheels are CPU-only (the device machine has
+    no other), and that is the environment's limit, not fastmm's."""
     pytest.importorskip("torchcodec")
+    from torchcodec import decoders as tcd
+
+    try:
+        tcd.VideoDecoder(_h264(8), device="cuda")
+    except RuntimeError as e:
+        if "Unsupported device: cuda" in str(e):
+            pytest.skip("torchcodec was built without CUDA (PyPI's wheels are CPU-only)")
+        raise
+
+
+def _h264(frames: int) -> bytes:
+    import tempfile
+
+    from fastmm.bench.mmcorpus import encode_h264, index_pattern
+
+    with tempfile.TemporaryDirectory() as d:
+        encode_h264((np.tile(index_pattern(i), (4, 4, 1)) for i in range(frames)), 256, 256, 24,
+                    8, 18, f"{d}/v.mp4")
+        with open(f"{d}/v.mp4", "rb") as f:
+            return f.read()
+
+
+def test_torchcodec_on_cuda_without_nvdec_is_a_decoder_fault():
+    """A torchcodec without CUDA (PyPI's) is a DecoderFault that says so, not every clip
+    counted corrupt."""
+    pytest.importorskip("torchcodec")
+    from torchcodec import decoders as tcd
+
+    from fastmm.decode import ClipSpec, DecoderFault, get_decoder
+
+    data = _h264(8)
+    try:
+        tcd.VideoDecoder(data, device="cuda")
+    except RuntimeError as e:
+        assert "Unsupported device: cuda" in str(e)
+        with pytest.raises(DecoderFault, match="built without CUDA"):
+            get_decoder("torchcodec", device="cuda").decode_clip(data, ClipSpec(num_frames=2))
+    else:
+        pytest.skip("this torchcodec decodes on CUDA")
+
+
+def test_nvdec_clip_frames_are_the_frames_asked_for(tmp_path, nvdec):
     from fastmm.bench.mmcorpus import encode_h264, index_pattern, read_frame_index
     from fastmm.decode import ClipSpec, get_decoder
 
@@ -114,10 +175,9 @@ def test_nvdec_clip_frames_are_the_frames_asked_for(tmp_path):
     assert (clip.cpu().float() - on_cpu.float()).abs().mean() < 2.0
 
 
-def test_nvdec_slimmed_clips_are_the_same_frames(tmp_path):
+def test_nvdec_slimmed_clips_are_the_same_frames(tmp_path, nvdec):
     """MP4 slimming (decode.mp4) with NVDEC: the same frames as NVDEC on the whole file. It is
     off on CUDA by default until this passes on a GPU machine."""
-    pytest.importorskip("torchcodec")
     from fastmm.bench.mmcorpus import encode_h264, index_pattern, read_frame_index
     from fastmm.decode import ClipSpec, mp4
     from fastmm.decode.torchcodec import Decoder

@@ -21,10 +21,12 @@ def test_gpu_decode_study_end_to_end(tmp_path):
     arms = result["arms"]
     measured = {k for k, a in arms.items() if a["measured"]}
     if torch.cuda.is_available():
-        assert measured == {"cpu-decode / model cuda", "gpu-decode / model cuda"}
+        assert measured == {"cpu-decode / model cuda", "gpu-decode inline / model cuda",
+                            "gpu-decode ahead / model cuda"}
     else:
         assert measured == {"cpu-decode / model sleep", "cpu-decode / model cpu"}
-        assert "no CUDA" in arms["gpu-decode / model cuda"]["why"]
+        for arm in ("gpu-decode inline", "gpu-decode ahead"):
+            assert "no CUDA" in arms[f"{arm} / model cuda"]["why"]
         assert arms["cpu-decode / model sleep"]["model_step_s_alone"] == pytest.approx(0.010,
                                                                                         abs=0.005)
     for name in measured:
@@ -51,3 +53,40 @@ def test_both_placements_draw_the_same_crops(tmp_path):
             assert images.shape[1:] == cpu.shape
             assert (images[0].float() - cpu.float()).abs().mean() < 3.0
 
+
+
+def _encoded_batches(tmp_path, n=6, batch=2):
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+    from fastmm.bench.pipelines import _files
+
+    write_corpus(CorpusSpec(num_images=n, num_videos=0, seed=5), str(tmp_path / "c"))
+    ds = study_gpu_decode.Encoded(_files(str(tmp_path / "c"), ("jpg",)))
+    return [[ds[i] for i in range(k, k + batch)] for k in range(0, len(ds), batch)]
+
+
+def test_decoding_ahead_hands_over_every_batch_in_order(tmp_path):
+    """The thread that decodes ahead (on the CPU here; on its own CUDA stream on a GPU) gives
+    the batches the loop would have decoded itself, in order, and then stops."""
+    batches = _encoded_batches(tmp_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ahead = study_gpu_decode.DecodeAhead(iter(batches), device)
+    got = list(ahead)
+    ahead.close()
+    assert len(got) == len(batches)
+    for images, batch in zip(got, batches):
+        assert torch.equal(images.cpu(), study_gpu_decode.gpu_decode(batch, device).cpu())
+
+
+def test_decoding_ahead_raises_a_decode_error_in_the_loop_and_closes_early(tmp_path):
+    batches = _encoded_batches(tmp_path)
+    broken = batches[:1] + [[(torch.zeros(10, dtype=torch.uint8), batches[1][0][1])]]
+    ahead = study_gpu_decode.DecodeAhead(iter(broken), "cpu")
+    it = iter(ahead)
+    next(it)
+    with pytest.raises(RuntimeError):
+        next(it)
+    ahead.close()
+    waiting = study_gpu_decode.DecodeAhead(iter(batches * 4), "cpu", depth=1)
+    next(iter(waiting))  # the thread is now blocked on a full queue: close() must still end it
+    waiting.close()
+    assert not waiting._thread.is_alive()

@@ -135,7 +135,8 @@ def video_arms(paths: list[str], args, gpu: str | None) -> tuple[dict, str | Non
     nvdec_why = None if gpu else "no CUDA device on this machine"
     if gpu:
         tried = []
-        for backend in ("nvdec", "ffmpeg") if gpu.startswith("cuda") else (None,):
+        # torchcodec's own NVDEC backend ("beta" in 0.11, "nvdec" in later releases), then FFmpeg's
+        for backend in ("nvdec", "beta", "ffmpeg") if gpu.startswith("cuda") else (None,):
             try:
                 data, idx = next(iter(jobs.values()))[0]
                 decode(data, idx, gpu)
@@ -143,7 +144,13 @@ def video_arms(paths: list[str], args, gpu: str | None) -> tuple[dict, str | Non
             except Exception as e:  # no NVDEC in the driver, FFmpeg without CUDA, ...
                 tried.append(f"{backend}: {type(e).__name__}: {e}"[:200])
         else:
-            nvdec_why = "torchcodec could not decode on CUDA (" + "; ".join(tried) + ")"
+            import torchcodec
+
+            no_cuda = any("Unsupported device: cuda" in t for t in tried)
+            nvdec_why = (f"torchcodec {torchcodec.__version__} "
+                         + ("was built without CUDA (PyPI's wheels are CPU-only): "
+                            if no_cuda else "could not decode on CUDA: ")
+                         + "; ".join(tried))
     arms = {}
     for res, clips in jobs.items():
         def run(device, clips=clips):

@@ -7,6 +7,7 @@ import datetime
 import multiprocessing
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -140,6 +141,8 @@ def gpus() -> dict:
         try:
             topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
                                       text=True, timeout=20).stdout or None
+            if topology:  # nvidia-smi underlines the header with terminal escapes even so
+                topology = re.sub(r"\x1b\[[0-9;]*m", "", topology)
         except (OSError, subprocess.SubprocessError):
             pass
     return {"devices": devices, "driver": driver, "topology": topology}

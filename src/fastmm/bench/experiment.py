@@ -132,8 +132,8 @@ class ModelStep:
         x = self.weight
         for _ in range(n):
             x = torch.tanh(x @ self.weight)
-        if self.mode == "cuda":
-            torch.cuda.synchronize()
+        if self.mode == "cuda":  # the step's stream, as loss.item() waits: not other streams
+            torch.cuda.current_stream().synchronize()
 
     def __call__(self) -> None:
         if self.mode == "sleep":

@@ -1,21 +1,27 @@
 """Study 2, GPU decode placement: decode JPEGs in the CPU workers, or on the GPU (nvJPEG through
 torchvision, in the training process) where a synthetic model step runs too. The one factor is
 where decode (and the crop/resize after it) runs; corpus, crops (RandomResizedCrop(224) + flip,
-same draws), order, batch and loader are the same.
+same draws), order, batch and loader are the same. On the GPU, two ways: inline (the loop
+decodes each batch, then runs the model on it) and ahead (a thread decodes the next batches on
+a CUDA stream of its own while the model runs, as DALI's and SPDL's pipelines do).
 
-Reported per arm: end-to-end samples/s, the model step's time against the model alone (its
-slowdown from sharing the device), the GPU idle fraction (CUDA events around the model step,
-through the telemetry), and the loop's wait for data. On a machine without CUDA the CPU arm runs
-with the model step stood in by the host waiting ("sleep", as for a GPU-bound step) and by a
-CPU matmul step that competes with decode for cores; the GPU arms are reported as not measured.
+Reported per arm: end-to-end samples/s; the model step's own time (CUDA events on the GPU)
+against the model alone, i.e. its slowdown from sharing the device with decode (contention);
+the GPU idle fraction (the telemetry's, from the same events); the loop's step and its wait for
+data. On a machine without CUDA the CPU arm runs with the model step stood in by the host
+waiting ("sleep", as for a GPU-bound step) and by a CPU matmul step that competes with decode
+for cores; the GPU arms are reported as not measured.
 Run: ``python -m fastmm.bench.study_gpu_decode --out DIR`` (``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import queue
 import sys
+import threading
 import time
 
 import torch
@@ -71,6 +77,9 @@ class Encoded(Dataset):
         return torch.frombuffer(bytearray(data), dtype=torch.uint8), plan_ints
 
 
+GPU_ARMS = ("gpu-decode inline", "gpu-decode ahead")
+
+
 def _keep(batch):
     return batch  # a list of (bytes tensor, plan) pairs: no stacking of ragged bytes
 
@@ -86,6 +95,87 @@ def gpu_decode(batch, device: str) -> torch.Tensor:
                         for img, (_, p) in zip(images, batch)])
 
 
+class DecodeAhead:
+    """Decoded batches made ahead by a thread, on a CUDA stream of its own (none on the CPU)
+    so that decode overlaps the model's step on the default stream; ``depth`` batches wait at
+    most. Each batch is handed over once its decode has finished on the GPU."""
+
+    def __init__(self, batches, device: str, depth: int = 2):
+        self._device, self._stop = device, threading.Event()
+        self._stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, args=(batches,), daemon=True,
+                                        name="fastmm-decode-ahead")
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _run(self, batches) -> None:
+        try:
+            with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
+                for batch in batches:
+                    images = gpu_decode(batch, self._device)
+                    done = None
+                    if self._stream is not None:
+                        done = torch.cuda.Event()
+                        done.record(self._stream)
+                    if not self._put((images, done)):
+                        return
+        except BaseException as e:  # raised again in the loop
+            self._put(e)
+            return
+        self._put(None)
+
+    def __iter__(self):
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            images, done = item
+            if done is not None:
+                stream = torch.cuda.current_stream()
+                stream.wait_event(done)
+                images.record_stream(stream)  # made on the decode stream, freed after this one
+            yield images
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class StepTimes:
+    """Each model step's own time: CUDA events around it on the GPU (so a step slowed by work
+    sharing the device takes longer), the host's clock elsewhere."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self._events, self._host = cuda, [], []
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._host.append(time.perf_counter() - t0)
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in self._events]
+        return list(self._host)
+
+
 def run_arm(arm: str, compute: str, paths, args, order) -> dict:
     import fastmm
 
@@ -93,43 +183,53 @@ def run_arm(arm: str, compute: str, paths, args, order) -> dict:
     device = "cuda" if cuda else "cpu"
     step = ModelStep(compute, args.compute_ms)
     torch.manual_seed(args.seed)
-    dataset = Decoded(paths) if arm == "cpu-decode" else Encoded(paths)
+    on_cpu = arm == "cpu-decode"
+    dataset = Decoded(paths) if on_cpu else Encoded(paths)
     loader = fastmm.DataLoader(dataset, batch_size=args.batch, sampler=order,
                                num_workers=args.num_workers,
-                               collate_fn=None if arm == "cpu-decode" else _keep,
-                               pin_memory=cuda and arm == "cpu-decode")
+                               collate_fn=None if on_cpu else _keep, pin_memory=cuda and on_cpu)
     tm = Telemetry()
     batches = iter(tm.watch(loader))
-    n, start = 0, None
+    ahead = DecodeAhead(batches, device) if arm == "gpu-decode ahead" else None
+    source = iter(ahead) if ahead else batches
+    times, waits, n, start = StepTimes(compute == "cuda"), [], 0, None
     try:
-        for k, batch in enumerate(batches):
+        for k in range(args.warmup_batches + args.batches):
             if k == args.warmup_batches:
-                start, n = time.perf_counter(), 0
-            with tm.h2d(batch if arm == "cpu-decode" else None):
-                images = (batch.to(device, non_blocking=True) if arm == "cpu-decode"
-                          else gpu_decode(batch, device))
-            with tm.compute():
+                start, n, times = time.perf_counter(), 0, StepTimes(compute == "cuda")
+            t0 = time.perf_counter()
+            batch = next(source)
+            if on_cpu:
+                with tm.h2d(batch):
+                    images = batch.to(device, non_blocking=True)
+            else:  # inline: the loop waits for the decode, as it would for the loader
+                images = batch if ahead else gpu_decode(batch, device)
+            waits.append(time.perf_counter() - t0)
+            with tm.compute(), times.step():
                 step()
             n += len(images)
         seconds = time.perf_counter() - start
     finally:
+        if ahead:
+            ahead.close()
         batches.close()
     m = tm.summary()["metrics"]
     tm.close()
+    own = times.seconds()
     return {"samples_per_s": n / seconds, "gpu_idle_fraction": m["gpu_idle_fraction"],
-            "queue_wait_p50_s": (m["queue_wait_s"] or {}).get("p50"),
+            "data_wait_p50_s": stats.summarize(waits[args.warmup_batches:])["median"],
+            "model_step_s_p50": stats.summarize(own)["median"],
             "step_s_p50": (m["step_s"] or {}).get("p50")}
 
 
 def model_alone(compute: str, args, reps: int = 20) -> float:
-    """Seconds per model step with nothing else running (the reference for the slowdown)."""
-    step = ModelStep(compute, args.compute_ms)
-    times = []
+    """Seconds per model step with nothing else running (the reference for the slowdown),
+    timed as the arms time it."""
+    step, times = ModelStep(compute, args.compute_ms), StepTimes(compute == "cuda")
     for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return stats.summarize(times)["median"]
+        with times.step():
+            step()
+    return stats.summarize(times.seconds())["median"]
 
 
 def run(args) -> dict:
@@ -138,7 +238,8 @@ def run(args) -> dict:
     paths = _files(root, ("jpg",))
     cuda = torch.cuda.is_available()
     computes = ["cuda"] if cuda else ["sleep", "cpu"]
-    arms = [("cpu-decode", c) for c in computes] + ([("gpu-decode", "cuda")] if cuda else [])
+    arms = [("cpu-decode", c) for c in computes]
+    arms += [(a, "cuda") for a in GPU_ARMS] if cuda else []
     g = torch.Generator().manual_seed(args.seed)
     need, order = (args.warmup_batches + args.batches) * args.batch, []
     while len(order) < need:  # epochs of the same seeded permutation, as long as needed
@@ -159,12 +260,15 @@ def run(args) -> dict:
             "measured": True,
             "samples_per_s": stats.summarize([f["samples_per_s"] for f in figs]),
             "model_step_s_alone": alone[compute],
+            "model_step_s": stats.summarize([f["model_step_s_p50"] for f in figs]),
             "loop_step_s": stats.summarize([f["step_s_p50"] for f in figs]),
-            "queue_wait_p50_s": stats.summarize([f["queue_wait_p50_s"] for f in figs]),
-            "gpu_idle_fraction": stats.summarize([f["gpu_idle_fraction"] for f in figs]),
+            "data_wait_p50_s": stats.summarize([f["data_wait_p50_s"] for f in figs]),
+            "gpu_idle_fraction": (None if compute != "cuda" else
+                                  stats.summarize([f["gpu_idle_fraction"] for f in figs])),
         }
     if not cuda:
-        out_arms["gpu-decode / model cuda"] = {"measured": False,
+        for arm in GPU_ARMS:
+            out_arms[f"{arm} / model cuda"] = {"measured": False,
                                                "why": "no CUDA device on this machine"}
     out_arms["gpu-decode (DALI mixed) / model cuda"] = {
         "measured": False, "why": "DALI's GPU decoder is not in this study yet"}
@@ -184,20 +288,26 @@ def report(result: dict) -> str:
              f"{e['cpu_count_usable']} cores; GPU: {gpus}.", "",
              f"{result['images']} JPEGs, RandomResizedCrop({SIZE}) + flip, batch {result['batch']}"
              f"; model step {result['compute_ms']} ms alone.", "",
-             "| arm | samples/s end to end | model step alone | loop step p50 | queue wait p50 | "
-             "GPU idle |", "|---|---|---|---|---|---|"]
+             "| arm | samples/s end to end | model step alone | model step (slowdown) | "
+             "loop step p50 | data wait p50 | GPU idle |", "|---|---|---|---|---|---|---|"]
     for name, a in result["arms"].items():
         if not a["measured"]:
-            lines.append(f"| {name} | not measured: {a['why']} | | | | |")
+            lines.append(f"| {name} | not measured: {a['why']} | | | | | |")
             continue
-        s, q, st = a["samples_per_s"], a["queue_wait_p50_s"], a["loop_step_s"]
-        gi = a["gpu_idle_fraction"]
+        s, w, st, ms = a["samples_per_s"], a["data_wait_p50_s"], a["loop_step_s"], a["model_step_s"]
+        alone, gi = a["model_step_s_alone"], a["gpu_idle_fraction"]
         lines.append(f"| {name} | {s['median']:.1f} [{s['ci95_low']:.1f}-{s['ci95_high']:.1f}] | "
-                     f"{a['model_step_s_alone'] * 1e3:.1f} ms | {st['median'] * 1e3:.1f} ms | "
-                     f"{q['median'] * 1e3:.1f} ms | "
+                     f"{alone * 1e3:.1f} ms | {ms['median'] * 1e3:.1f} ms "
+                     f"({ms['median'] / alone if alone else float('nan'):.2f}x) | "
+                     f"{st['median'] * 1e3:.1f} ms | "
+                     f"{w['median'] * 1e3:.1f} ms | "
                      f"{'-' if gi is None else format(gi['median'], '.0%')} |")
-    lines += ["", "The model step's slowdown from sharing is the loop step against the model "
-              "alone when the loop does not wait for data (queue wait near 0)."]
+    lines += ["", "Model step: its own time (CUDA events on the GPU, the host's clock otherwise), "
+              "median of the repetitions' medians; the slowdown is against the model alone, "
+              "i.e. what sharing the device with decode costs it. Data wait: from the end of "
+              "one step until the next batch is ready on the GPU (inline: the loader's batch "
+              "and its decode). GPU idle: the telemetry's, 1 - the steps' GPU time / the "
+              "loop's wall time (loader start included)."]
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("--compute-ms", type=options.number(0, above=False), default=40.0)
     p.add_argument("--reps", type=options.whole(1), default=5)
     p.add_argument("--warmup-batches", type=options.whole(0), default=2)
-    p.add_argument("--batches", type=options.whole(1), default=10)
+    p.add_argument("--batches", type=options.whole(1), default=30)
     p.add_argument("--seed", type=options.whole(0), default=0)
     p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run")

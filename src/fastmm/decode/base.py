@@ -53,13 +53,19 @@ NOT_SAMPLE_ERRORS = (DecoderFault, AttributeError, TypeError, NameError, ImportE
 
 
 def check_gpu_usable(device: str) -> None:
-    """A process forked after its parent initialised CUDA cannot use it: torch raises for every
-    sample, which a backend would otherwise count as corrupt. Say so, with the way out."""
-    if device.startswith("cuda") and torch.cuda._is_in_bad_fork():
+    """A process forked after its parent initialised CUDA cannot use it, nor one on a machine
+    without CUDA: the libraries raise for every sample, which a backend would otherwise count
+    as corrupt. Say so, with the way out."""
+    if not device.startswith("cuda"):
+        return
+    if torch.cuda._is_in_bad_fork():
         raise DecoderFault(
             f"cannot decode on {device} in a process forked after its parent initialised CUDA; "
             "use DataLoader(multiprocessing_context='spawn') (or 'forkserver'), or decode on "
             "the CPU in workers")
+    if not torch.cuda.is_available():
+        raise DecoderFault(f"cannot decode on {device}: torch sees no CUDA device here; "
+                           "decode on the CPU (device='cpu')")
 
 
 class DecodeLimitError(DecodeError):

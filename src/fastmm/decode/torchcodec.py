@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torchcodec
 from torchcodec import decoders as tcd
 from torchcodec.transforms import DecoderTransform
 
@@ -22,6 +23,7 @@ from .base import (
     ClipSpec,
     CropPlan,
     DecodeError,
+    DecoderFault,
     LibraryDecoder,
     check_gpu_usable,
     crop_resize,
@@ -100,6 +102,11 @@ class Decoder(LibraryDecoder):
         except NOT_SAMPLE_ERRORS:
             raise
         except Exception as e:
+            if "Unsupported device: cuda" in str(e):
+                raise DecoderFault(
+                    f"torchcodec {torchcodec.__version__} was built without CUDA (PyPI's wheels "
+                    "are CPU-only): install a CUDA build (pip install torchcodec --index-url "
+                    "https://download.pytorch.org/whl/cu130, say) or decode on the CPU") from None
             raise DecodeError(_open_failure(data), key, f"no readable video stream: {e}") from None
         total = meta.num_frames or 0
         if total < 1:
