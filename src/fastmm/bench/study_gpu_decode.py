@@ -176,12 +176,12 @@ class StepTimes:
         return list(self._host)
 
 
-def run_arm(arm: str, compute: str, paths, args, order) -> dict:
+def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
     import fastmm
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    step = ModelStep(compute, args.compute_ms)
+    compute = step.mode
     torch.manual_seed(args.seed)
     on_cpu = arm == "cpu-decode"
     dataset = Decoded(paths) if on_cpu else Encoded(paths)
@@ -222,14 +222,14 @@ def run_arm(arm: str, compute: str, paths, args, order) -> dict:
             "step_s_p50": (m["step_s"] or {}).get("p50")}
 
 
-def model_alone(compute: str, args, reps: int = 20) -> float:
-    """Seconds per model step with nothing else running (the reference for the slowdown),
-    timed as the arms time it."""
-    step, times = ModelStep(compute, args.compute_ms), StepTimes(compute == "cuda")
+def model_alone(step: ModelStep, reps: int = 20) -> list[float]:
+    """Seconds of each of ``reps`` model steps with nothing else running (the reference for
+    the slowdown), timed as the arms time them."""
+    times = StepTimes(step.mode == "cuda")
     for _ in range(reps):
         with times.step():
             step()
-    return stats.summarize(times.seconds())["median"]
+    return times.seconds()
 
 
 def run(args) -> dict:
@@ -245,14 +245,18 @@ def run(args) -> dict:
     while len(order) < need:  # epochs of the same seeded permutation, as long as needed
         order += torch.randperm(len(paths), generator=g).tolist()
     order = order[:need]
+    # one step per stand-in, calibrated once: the arms and the model alone run the same work
+    steps = {c: ModelStep(c, args.compute_ms) for c in computes}
+    alone = {c: model_alone(step) for c, step in steps.items()}  # before the arms, and after
     results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
     for r in range(args.reps):
         for arm, compute in harness.rotated(list(arms), r):
-            fig = run_arm(arm, compute, paths, args, order)
+            fig = run_arm(arm, steps[compute], paths, args, order)
             results[f"{arm} / model {compute}"].append(fig)
             print(f"[gpu-decode] rep {r + 1}/{args.reps} {arm} / model {compute}: "
                   f"{fig['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
-    alone = {c: model_alone(c, args) for c in computes}
+    alone = {c: stats.summarize(alone[c] + model_alone(step))["median"]
+             for c, step in steps.items()}
     out_arms = {}
     for name, figs in results.items():
         compute = name.rsplit(" ", 1)[1]
