@@ -803,7 +803,9 @@ def test_cuda_marks_are_resolved_as_they_finish_and_all_by_the_summary():
     assert tm.summary()["metrics"]["h2d_s"]["p50"] == 0.5 and tm._gpu_pending == []
 
 
-def test_gpu_marks_time_copies_and_compute_with_cuda_events():
+def test_gpu_marks_time_copies_and_compute_with_cuda_events(tmp_path):
+    """On a GPU: the marks' CUDA events give the copies' time and rate, the idle fraction,
+    NVML's utilisation, and the trace's GPU track (one event a mark, each the GPU's time)."""
     if not torch.cuda.is_available():
         if os.environ.get("FASTMM_REQUIRE_CUDA") == "1":
             pytest.fail("FASTMM_REQUIRE_CUDA=1 but CUDA is not available")
@@ -821,6 +823,13 @@ def test_gpu_marks_time_copies_and_compute_with_cuda_events():
     m = tm.summary()["metrics"]
     assert m["h2d_s"]["count"] == 10 and m["h2d_bytes_per_s"] > 0
     assert 0.0 <= m["gpu_idle_fraction"] < 1.0
+    with open(tm.export(str(tmp_path))["trace"]) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = [e for e in events if e["ph"] == "X" and e["tid"] == 1000]
+    assert sorted(e["name"] for e in gpu) == ["compute"] * 10 + ["h2d"] * 10
+    assert all(e["dur"] > 0 for e in gpu)
+    assert [e["args"]["name"] for e in events
+            if e["ph"] == "M" and e["name"] == "thread_name" and e["tid"] == 1000] == ["GPU"]
     try:
         import pynvml  # noqa: F401
     except ImportError:
