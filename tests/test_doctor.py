@@ -124,8 +124,3 @@ def test_the_doctor_names_each_bad_variable_and_refuses_bad_arguments(tmp_path):
         assert refused.returncode == 2 and "fastmm-doctor: error: " in refused.stderr, argv
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to initialise it")
-def test_cuda_before_fork_is_said():
-    torch.cuda.init()
-    found = _findings(fastmm.DataLoader(ListHolder(1), batch_size=2, num_workers=2))
-    assert any("Cannot re-initialize CUDA" in f for f in found)

@@ -48,6 +48,19 @@ def test_the_benchmarks_cuda_consumer_copies_every_tensor_of_the_batch():
     assert to_cuda(batch) == 1000 + 3 * 5 * 4
 
 
+def test_cuda_initialised_before_workers_fork_is_not_warned_of():
+    """Every GPU training loop initialises CUDA before its loader forks workers that never use
+    it: no warning for that (torch gives none); a GPU decode there is a DecoderFault instead."""
+    import warnings
+
+    torch.zeros(1, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fastmm.FastmmWarning)
+        loader = fastmm.DataLoader(Frames(), batch_size=8, num_workers=2,
+                                   multiprocessing_context="fork")
+        assert len(list(loader)) == 4
+
+
 def test_a_batch_dropped_while_its_copy_is_queued_arrives_whole():
     """The usual loop, x = x.cuda(non_blocking=True), drops the host batch while its copy may
     still wait behind GPU work: its slab must not go back to the worker (which would write the

@@ -15,8 +15,6 @@ import shutil
 import sys
 import warnings
 
-import torch
-
 from . import config as fastmm_config
 from .config import ConfigError, TransportConfig
 from .errors import FastmmWarning
@@ -73,14 +71,9 @@ def loader_findings(loader) -> list[str]:
             "the dataset holds large Python containers: " + ", ".join(big) + ". Each worker's "
             "memory grows towards their full size as it reads them (refcount writes copy pages); "
             "keep them as NumPy arrays, bytes or Arrow instead")
-    method = loader.multiprocessing_context
-    method = method.get_start_method() if method is not None else (
-        multiprocessing.get_start_method(allow_none=True) or "fork")
-    if loader.num_workers > 0 and method == "fork" and torch.cuda.is_initialized():
-        findings.append(
-            "CUDA is initialised in this process and workers start by fork: CUDA cannot be used "
-            "in them (it fails with 'Cannot re-initialize CUDA in forked subprocess'). Keep CUDA "
-            "out of the dataset and collate_fn, or use multiprocessing_context='spawn'")
+    # (CUDA initialised before workers fork is every GPU training loop's normal state, and
+    # harmless unless a worker uses CUDA: a GPU decoder then raises a DecoderFault naming
+    # 'spawn', and torch's own error says as much for the dataset's code; no warning here)
     return findings
 
 
