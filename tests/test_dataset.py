@@ -335,6 +335,22 @@ def test_a_library_whose_api_changed_stops_the_loop_instead_of_skipping_everythi
         assert ds.skipped == {}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("decoder, modality", [("torchcodec", "video"), ("dali", "image")])
+def test_gpu_decode_without_cuda_is_a_fault_not_a_bad_sample(corpus, decoder, modality):
+    """device="cuda" on a machine without CUDA: torchcodec raised for every clip ("Failed to get
+    current CUDA device"), which was counted corrupt and, under "skip", would skip them all."""
+    if decoder == "dali":
+        pytest.importorskip("fastmm.decode.dali")
+    clip = ClipSpec(num_frames=2) if modality == "video" else None
+    ds = MultimodalDataset(_roots(corpus)["posix"], decoder=decoder, device="cuda",
+                           modality=modality, clip=clip, size=32, crop="center",
+                           on_error="skip")
+    with pytest.raises(fastmm.DecoderFault, match="no CUDA device"):
+        ds[0]
+    assert ds.skipped == {}
+
+
 @pytest.mark.parametrize("decoder, modality", [("torchcodec", "video"), ("dali", "image")])
 def test_gpu_decode_in_a_worker_forked_after_cuda_init_is_a_fault_not_a_bad_sample(
         corpus, monkeypatch, decoder, modality):
