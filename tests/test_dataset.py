@@ -335,35 +335,26 @@ def test_a_library_whose_api_changed_stops_the_loop_instead_of_skipping_everythi
         assert ds.skipped == {}
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("cause, says", [("bad fork", "forked after.*'spawn'"),
+                                         ("no CUDA", "no CUDA device")])
 @pytest.mark.parametrize("decoder, modality", [("torchcodec", "video"), ("dali", "image")])
-def test_gpu_decode_without_cuda_is_a_fault_not_a_bad_sample(corpus, decoder, modality):
-    """device="cuda" on a machine without CUDA: torchcodec raised for every clip ("Failed to get
-    current CUDA device"), which was counted corrupt and, under "skip", would skip them all."""
+def test_gpu_decode_that_cannot_work_is_a_fault_not_a_bad_sample(
+        corpus, monkeypatch, decoder, modality, cause, says):
+    """CUDA unusable, so torch raises for every sample: in a worker forked after the main
+    process initialised it (torch's own flag, set here as such a fork would find it), or on a
+    machine without CUDA (torchcodec: "Failed to get current CUDA device"). The GPU backends say
+    so, with the way out, instead of counting every sample corrupt (and, under "skip",
+    skipping them all)."""
     if decoder == "dali":
         pytest.importorskip("fastmm.decode.dali")
+    if cause == "bad fork":
+        monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    elif torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
     clip = ClipSpec(num_frames=2) if modality == "video" else None
     ds = MultimodalDataset(_roots(corpus)["posix"], decoder=decoder, device="cuda",
                            modality=modality, clip=clip, size=32, crop="center",
                            on_error="skip")
-    with pytest.raises(fastmm.DecoderFault, match="no CUDA device"):
-        ds[0]
-    assert ds.skipped == {}
-
-
-@pytest.mark.parametrize("decoder, modality", [("torchcodec", "video"), ("dali", "image")])
-def test_gpu_decode_in_a_worker_forked_after_cuda_init_is_a_fault_not_a_bad_sample(
-        corpus, monkeypatch, decoder, modality):
-    """A worker forked after the main process initialised CUDA cannot use it (torch raises for
-    every sample): the GPU backends say so, with the way out, instead of counting every sample
-    corrupt. The fork's state is torch's own flag, set here as such a fork would find it."""
-    if decoder == "dali":
-        pytest.importorskip("fastmm.decode.dali")
-    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
-    clip = ClipSpec(num_frames=2) if modality == "video" else None
-    ds = MultimodalDataset(_roots(corpus)["posix"], decoder=decoder, device="cuda",
-                           modality=modality, clip=clip, size=32, crop="center",
-                           on_error="skip")
-    with pytest.raises(fastmm.DecoderFault, match="forked after.*'spawn'"):
+    with pytest.raises(fastmm.DecoderFault, match=says):
         ds[0]
     assert ds.skipped == {}

@@ -146,7 +146,9 @@ def video_arms(paths: list[str], args, gpu: str | None) -> tuple[dict, str | Non
         else:
             import torchcodec
 
-            no_cuda = any("Unsupported device: cuda" in t for t in tried)
+            from ..decode.torchcodec import built_without_cuda
+
+            no_cuda = any(built_without_cuda(t) for t in tried)
             nvdec_why = (f"torchcodec {torchcodec.__version__} "
                          + ("was built without CUDA (PyPI's wheels are CPU-only): "
                             if no_cuda else "could not decode on CUDA: ")

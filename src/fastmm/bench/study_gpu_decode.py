@@ -181,7 +181,6 @@ def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    compute = step.mode
     torch.manual_seed(args.seed)
     on_cpu = arm == "cpu-decode"
     dataset = Decoded(paths) if on_cpu else Encoded(paths)
@@ -192,11 +191,11 @@ def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
     batches = iter(tm.watch(loader))
     ahead = DecodeAhead(batches, device) if arm == "gpu-decode ahead" else None
     source = iter(ahead) if ahead else batches
-    times, waits, n, start = StepTimes(compute == "cuda"), [], 0, None
+    times, waits, n, start = StepTimes(step.mode == "cuda"), [], 0, None
     try:
         for k in range(args.warmup_batches + args.batches):
             if k == args.warmup_batches:
-                start, n, times = time.perf_counter(), 0, StepTimes(compute == "cuda")
+                start, n = time.perf_counter(), 0
             t0 = time.perf_counter()
             batch = next(source)
             if on_cpu:
@@ -215,10 +214,10 @@ def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
         batches.close()
     m = tm.summary()["metrics"]
     tm.close()
-    own = times.seconds()
+    timed = slice(args.warmup_batches, None)  # the warm-up batches' figures left out
     return {"samples_per_s": n / seconds, "gpu_idle_fraction": m["gpu_idle_fraction"],
-            "data_wait_p50_s": stats.summarize(waits[args.warmup_batches:])["median"],
-            "model_step_s_p50": stats.summarize(own)["median"],
+            "data_wait_p50_s": stats.summarize(waits[timed])["median"],
+            "model_step_s_p50": stats.summarize(times.seconds()[timed])["median"],
             "step_s_p50": (m["step_s"] or {}).get("p50")}
 
 
@@ -247,7 +246,7 @@ def run(args) -> dict:
     order = order[:need]
     # one step per stand-in, calibrated once: the arms and the model alone run the same work
     steps = {c: ModelStep(c, args.compute_ms) for c in computes}
-    alone = {c: model_alone(step) for c, step in steps.items()}  # before the arms, and after
+    before = {c: model_alone(step) for c, step in steps.items()}  # and after the arms
     results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
     for r in range(args.reps):
         for arm, compute in harness.rotated(list(arms), r):
@@ -255,7 +254,7 @@ def run(args) -> dict:
             results[f"{arm} / model {compute}"].append(fig)
             print(f"[gpu-decode] rep {r + 1}/{args.reps} {arm} / model {compute}: "
                   f"{fig['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
-    alone = {c: stats.summarize(alone[c] + model_alone(step))["median"]
+    alone = {c: stats.summarize(before[c] + model_alone(step))["median"]
              for c, step in steps.items()}
     out_arms = {}
     for name, figs in results.items():

@@ -102,7 +102,7 @@ class Decoder(LibraryDecoder):
         except NOT_SAMPLE_ERRORS:
             raise
         except Exception as e:
-            if "Unsupported device: cuda" in str(e):
+            if built_without_cuda(e):
                 raise DecoderFault(
                     f"torchcodec {torchcodec.__version__} was built without CUDA (PyPI's wheels "
                     "are CPU-only): install a CUDA build (pip install torchcodec --index-url "
@@ -155,6 +155,12 @@ class _PlannedCrop(DecoderTransform):
             self.plan = self._make_plan(width, height)
         p = self.plan
         return f"crop, {p.height}, {p.width}, {p.left}, {p.top}"
+
+
+def built_without_cuda(error) -> bool:
+    """Whether torchcodec refused a CUDA device because it was built without CUDA (as PyPI's
+    wheels are): the error, or its text."""
+    return "Unsupported device: cuda" in str(error)
 
 
 def _open_failure(data: bytes) -> str:
