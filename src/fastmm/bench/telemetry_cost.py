@@ -37,7 +37,10 @@ from .workloads import CONSUMERS, batch_len
 
 MODES = ("off", "off again", "summary", "trace")
 AIMS = {"summary": 0.98, "trace": 0.95}  # rate on / off (issue 4)
-WINDOW_S = {"images": 1.5, "tiny": 0.25}  # several batches a window, the first ones skipped
+# one window, and an arm's windows in a block: several batches a window (the first ones are
+# skipped); decode-bound images need windows of seconds (1.5 s ones: noise floor 0.8-1.26)
+WINDOW_S = {"images": 5.0, "tiny": 0.25}
+MIN_S = {"images": 15.0, "tiny": 3.0}
 
 
 class Tiny(Dataset):
@@ -157,7 +160,8 @@ def run(args) -> dict:
         if case not in args.workloads:
             continue
         batch = args.batch if case == "images" else 256
-        window_s = args.window_seconds or WINDOW_S[case]
+        window_s = WINDOW_S[case] if args.window_seconds is None else args.window_seconds
+        min_s = MIN_S[case] if args.min_seconds is None else args.min_seconds
         blocks: dict[str, list] = {}
         for loader_name, (loader_class, dataset) in loaders.items():
             for b in range(args.reps):
@@ -169,7 +173,7 @@ def run(args) -> dict:
                     return loader_class(dataset, batch_size=batch, sampler=sampler,
                                         num_workers=args.num_workers)
 
-                figs = _block(make, window_s, args.min_seconds, args.warmup_seconds, consume, b)
+                figs = _block(make, window_s, min_s, args.warmup_seconds, consume, b)
                 blocks.setdefault(loader_name, []).append(figs)
                 print(f"[{case}] block {b} {loader_name:7s} " + "  ".join(
                     f"{mode} {figs[mode]['samples_per_s']:.0f}/s" for mode in MODES),
@@ -188,6 +192,7 @@ def run(args) -> dict:
         ratios = on_over_off(rates)
         out["cases"][case] = {
             "batch_size": batch, "num_workers": args.num_workers, "window_s": window_s,
+            "min_s": min_s,
             "blocks": blocks,
             "arms": {n: stats.summarize(v) for n, v in rates.items()},
             "cpu_us_per_sample": {n: stats.summarize(v) for n, v in cpu.items()},
@@ -245,8 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-workers", type=options.whole(1), default=2)
     p.add_argument("--reps", type=options.whole(1), default=8,
                    help="blocks (fresh loaders each) per loader and workload")
-    p.add_argument("--min-seconds", type=options.number(0), default=3.0,
-                   help="an arm's windows in a block add up to at least this")
+    p.add_argument("--min-seconds", type=options.number(0), default=None,
+                   help=f"an arm's windows in a block add up to at least this (default {MIN_S})")
     p.add_argument("--window-seconds", type=options.number(0), default=None,
                    help=f"one window (default {WINDOW_S})")
     p.add_argument("--warmup-seconds", type=options.number(0), default=1.0)
