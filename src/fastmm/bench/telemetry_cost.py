@@ -164,6 +164,8 @@ def run(args) -> dict:
         min_s = MIN_S[case] if args.min_seconds is None else args.min_seconds
         blocks: dict[str, list] = {}
         for loader_name, (loader_class, dataset) in loaders.items():
+            if loader_name not in args.loaders:
+                continue
             for b in range(args.reps):
 
                 def make(b=b):  # every arm of a block draws the same samples
@@ -244,6 +246,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=options.directory, default="bench-out/telemetry-cost")
     p.add_argument("--workloads", type=options.listed(str, ("images", "tiny")), default="images,tiny")
+    p.add_argument("--loaders", type=options.listed(str, ("torch", "fastmm")),
+                   default="torch,fastmm")
     p.add_argument("--images", type=options.whole(1), default=1500)
     p.add_argument("--videos", type=options.whole(1), default=24)
     p.add_argument("--batch", type=options.whole(1), default=64)
