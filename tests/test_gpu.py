@@ -130,8 +130,8 @@ def test_crop_resize_on_the_gpu_matches_the_cpu():
 
 @pytest.fixture
 def nvdec():
-    """torchcodec able to decode on CUDA: PyPI's wheels are CPU-only (the device machine has
-    no other), and that is the environment's limit, not fastmm's."""
+    """torchcodec able to decode on CUDA: a torchcodec built without CUDA (PyPI's 0.11, say)
+    is the environment's limit, not fastmm's."""
     pytest.importorskip("torchcodec")
     from torchcodec import decoders as tcd
 
@@ -141,7 +141,7 @@ def nvdec():
         tcd.VideoDecoder(_h264(8), device="cuda")
     except RuntimeError as e:
         if built_without_cuda(e):
-            pytest.skip("torchcodec was built without CUDA (PyPI's wheels are CPU-only)")
+            pytest.skip("torchcodec was built without CUDA")
         raise
 
 
@@ -158,7 +158,7 @@ def _h264(frames: int) -> bytes:
 
 
 def test_torchcodec_on_cuda_without_nvdec_is_a_decoder_fault():
-    """A torchcodec without CUDA (PyPI's) is a DecoderFault that says so, not every clip
+    """A torchcodec without CUDA (PyPI's 0.11) is a DecoderFault that says so, not every clip
     counted corrupt."""
     pytest.importorskip("torchcodec")
     from torchcodec import decoders as tcd

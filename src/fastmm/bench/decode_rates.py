@@ -150,7 +150,7 @@ def video_arms(paths: list[str], args, gpu: str | None) -> tuple[dict, str | Non
 
             no_cuda = any(built_without_cuda(t) for t in tried)
             nvdec_why = (f"torchcodec {torchcodec.__version__} "
-                         + ("was built without CUDA (PyPI's wheels are CPU-only): "
+                         + ("was built without CUDA: "
                             if no_cuda else "could not decode on CUDA: ")
                          + "; ".join(tried))
     arms = {}

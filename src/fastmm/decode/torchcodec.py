@@ -104,9 +104,10 @@ class Decoder(LibraryDecoder):
         except Exception as e:
             if built_without_cuda(e):
                 raise DecoderFault(
-                    f"torchcodec {torchcodec.__version__} was built without CUDA (PyPI's wheels "
-                    "are CPU-only): install a CUDA build (pip install torchcodec --index-url "
-                    "https://download.pytorch.org/whl/cu130, say) or decode on the CPU") from None
+                    f"torchcodec {torchcodec.__version__} was built without CUDA: install a "
+                    "CUDA build (PyPI's torchcodec 0.17 is one, for CUDA 13; PyPI's 0.11 is "
+                    "CPU-only, its CUDA builds are at https://download.pytorch.org/whl/cu130) "
+                    "or decode on the CPU") from None
             raise DecodeError(_open_failure(data), key, f"no readable video stream: {e}") from None
         total = meta.num_frames or 0
         if total < 1:
@@ -159,7 +160,7 @@ class _PlannedCrop(DecoderTransform):
 
 def built_without_cuda(error) -> bool:
     """Whether torchcodec refused a CUDA device because it was built without CUDA (as PyPI's
-    wheels are): the error, or its text."""
+    0.11 wheels are): the error, or its text."""
     return "Unsupported device: cuda" in str(error)
 
 
