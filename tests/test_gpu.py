@@ -128,62 +128,64 @@ def test_crop_resize_on_the_gpu_matches_the_cpu():
     assert (gpu.cpu().int() - cpu.int()).abs().max() <= 1
 
 
-@pytest.fixture
-def nvdec():
-    """torchcodec able to decode on CUDA: a torchcodec built without CUDA (PyPI's 0.11, say)
-    is the environment's limit, not fastmm's."""
-    pytest.importorskip("torchcodec")
-    from torchcodec import decoders as tcd
-
-    from fastmm.decode.torchcodec import built_without_cuda
-
-    try:
-        tcd.VideoDecoder(_h264(8), device="cuda")
-    except RuntimeError as e:
-        if built_without_cuda(e):
-            pytest.skip("torchcodec was built without CUDA")
-        raise
-
-
-def _h264(frames: int) -> bytes:
+def _h264(frames: int, gop: int = 8) -> bytes:
+    """A 256x256 H.264 MP4 whose frame i shows i (x264 with B-frames; the ffmpeg CLI, else
+    PyAV)."""
     import tempfile
 
     from fastmm.bench.mmcorpus import encode_h264, index_pattern
 
     with tempfile.TemporaryDirectory() as d:
         encode_h264((np.tile(index_pattern(i), (4, 4, 1)) for i in range(frames)), 256, 256, 24,
-                    8, 18, f"{d}/v.mp4")
+                    gop, 18, f"{d}/v.mp4")
         with open(f"{d}/v.mp4", "rb") as f:
             return f.read()
+
+
+def _torchcodec_cuda_error():
+    """The RuntimeError torchcodec raises opening a clip on CUDA, or None when it opens."""
+    pytest.importorskip("torchcodec")
+    from torchcodec import decoders as tcd
+
+    try:
+        tcd.VideoDecoder(_h264(8), device="cuda")
+    except RuntimeError as e:
+        return e
+    return None
+
+
+@pytest.fixture
+def nvdec():
+    """torchcodec able to decode on CUDA: a torchcodec built without CUDA (PyPI's 0.11, say)
+    is the environment's limit, not fastmm's."""
+    from fastmm.decode.torchcodec import built_without_cuda
+
+    error = _torchcodec_cuda_error()
+    if error is not None and built_without_cuda(error):
+        pytest.skip("torchcodec was built without CUDA")
+    if error is not None:
+        raise error
 
 
 def test_torchcodec_on_cuda_without_nvdec_is_a_decoder_fault():
     """A torchcodec without CUDA (PyPI's 0.11) is a DecoderFault that says so, not every clip
     counted corrupt."""
-    pytest.importorskip("torchcodec")
-    from torchcodec import decoders as tcd
-
     from fastmm.decode import ClipSpec, DecoderFault, get_decoder
     from fastmm.decode.torchcodec import built_without_cuda
 
-    data = _h264(8)
-    try:
-        tcd.VideoDecoder(data, device="cuda")
-    except RuntimeError as e:
-        assert built_without_cuda(e)
-        with pytest.raises(DecoderFault, match="built without CUDA"):
-            get_decoder("torchcodec", device="cuda").decode_clip(data, ClipSpec(num_frames=2))
-    else:
+    error = _torchcodec_cuda_error()
+    if error is None:
         pytest.skip("this torchcodec decodes on CUDA")
+    assert built_without_cuda(error)
+    with pytest.raises(DecoderFault, match="built without CUDA"):
+        get_decoder("torchcodec", device="cuda").decode_clip(_h264(8), ClipSpec(num_frames=2))
 
 
-def test_nvdec_clip_frames_are_the_frames_asked_for(tmp_path, nvdec):
-    from fastmm.bench.mmcorpus import encode_h264, index_pattern, read_frame_index
+def test_nvdec_clip_frames_are_the_frames_asked_for(nvdec):
+    from fastmm.bench.mmcorpus import read_frame_index
     from fastmm.decode import ClipSpec, get_decoder
 
-    frames = (np.tile(index_pattern(i), (4, 4, 1)) for i in range(48))  # 256x256, frame i shows i
-    encode_h264(frames, 256, 256, 24, 8, 18, str(tmp_path / "v.mp4"))  # ffmpeg CLI, else PyAV
-    data, spec = (tmp_path / "v.mp4").read_bytes(), ClipSpec(num_frames=5, stride=4)
+    data, spec = _h264(48), ClipSpec(num_frames=5, stride=4)
     clip, idx = get_decoder("torchcodec", device="cuda").decode_clip(data, spec, key="v")
     assert clip.is_cuda and idx == [0, 4, 8, 12, 16]
     assert [read_frame_index(f.cpu()) for f in clip] == idx
@@ -191,17 +193,15 @@ def test_nvdec_clip_frames_are_the_frames_asked_for(tmp_path, nvdec):
     assert (clip.cpu().float() - on_cpu.float()).abs().mean() < 2.0
 
 
-def test_nvdec_slimmed_clips_are_the_same_frames(tmp_path, nvdec):
+def test_nvdec_slimmed_clips_are_the_same_frames(nvdec):
     """MP4 slimming (decode.mp4) with NVDEC: the same frames as NVDEC on the whole file. It is
     off on CUDA by default until this passes on a GPU machine."""
-    from fastmm.bench.mmcorpus import encode_h264, index_pattern, read_frame_index
+    from fastmm.bench.mmcorpus import read_frame_index
     from fastmm.decode import ClipSpec, mp4
     from fastmm.decode.torchcodec import Decoder
 
-    frames = (np.tile(index_pattern(i), (4, 4, 1)) for i in range(96))  # x264 with B-frames
-    encode_h264(frames, 256, 256, 24, 24, 18, str(tmp_path / "v.mp4"))
-    data, spec = (tmp_path / "v.mp4").read_bytes(), ClipSpec(num_frames=8, stride=2,
-                                                            sampling="random")
+    data = _h264(96, gop=24)
+    spec = ClipSpec(num_frames=8, stride=2, sampling="random")
     assert mp4.parse(data) is not None
     for seed in range(6):
         clips = [Decoder(device="cuda", skip_unused_frames=skip).decode_clip(
@@ -209,7 +209,6 @@ def test_nvdec_slimmed_clips_are_the_same_frames(tmp_path, nvdec):
         (slimmed, idx), (whole, whole_idx) = clips
         assert idx == whole_idx and torch.equal(slimmed, whole)
         assert [read_frame_index(f.cpu()) for f in slimmed] == idx
-
 
 
 class _NvjpegInWorker(Dataset):
