@@ -117,6 +117,40 @@ def test_nvjpeg_batch_matches_the_cpu_decoder():
         assert (g.cpu().int() - c.int()).abs().float().mean() < 2.0  # IDCTs differ slightly
 
 
+def test_dali_mixed_decoder_matches_its_cpu_decoder():
+    """DALI's GPU ("mixed") decoder: a PNG bit-exact with DALI on the CPU, JPEGs within the
+    nvJPEG test's tolerance, a JPEG crop's region decode too; each image stays as decoded after
+    the next (DALI reuses its output buffers)."""
+    pytest.importorskip("nvidia.dali", reason="no DALI here (scripts/gpu-dali-parts carries it)")
+    from PIL import Image
+
+    from fastmm.dataset import ResizedCrop
+    from fastmm.decode import get_decoder
+
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), np.uint8)).save(
+        png, format="PNG")
+    datas = [png.getvalue(), _jpeg(1), _photo_like(2)]
+    gpu, cpu = get_decoder("dali", device="cuda"), get_decoder("dali")
+    decoded = [gpu.decode_image(d) for d in datas]
+    kept = [g.clone() for g in decoded]
+    gpu.decode_image(_photo_like(3))
+    for g, k, c in zip(decoded, kept, (cpu.decode_image(d) for d in datas)):
+        assert g.is_cuda and g.dtype == torch.uint8 and g.shape == c.shape
+        assert torch.equal(g, k)
+    assert torch.equal(decoded[0].cpu(), cpu.decode_image(datas[0]))
+    for g, d in zip(decoded[1:], datas[1:]):
+        assert (g.cpu().int() - cpu.decode_image(d).int()).abs().float().mean() < 2.0
+
+    def plan(width, height):
+        torch.manual_seed(0)
+        return ResizedCrop(size=(24, 32)).plan(width, height)
+
+    crops = [dec.decode_resized_crop(datas[2], plan, key="k") for dec in (gpu, cpu)]
+    assert crops[0].is_cuda and crops[0].shape == crops[1].shape == (3, 24, 32)
+    assert (crops[0].cpu().int() - crops[1].int()).abs().float().mean() < 2.0
+
+
 def test_crop_resize_on_the_gpu_matches_the_cpu():
     from fastmm.decode.base import CropPlan, crop_resize
 

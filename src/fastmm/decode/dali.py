@@ -100,7 +100,9 @@ class Decoder(LibraryDecoder):
             del self._pipes[kind]  # a failed run may leave it unusable; rebuild next time
             raise RuntimeError(str(e)[:300]) from None  # DALI's messages run to pages
         if self.device.startswith("cuda"):
-            first = torch.from_dlpack(outs[0].as_tensor()._expose_dlpack_capsule())[0]
+            # __dlpack__ orders torch's stream after DALI's; the copy owns the pixels, which
+            # DALI's next run writes over (its output buffers are reused)
+            first = torch.from_dlpack(outs[0].as_tensor())[0].clone()
         else:
             first = torch.from_numpy(np.array(outs[0].at(0)))
         return [first, *(np.array(o.at(0)) for o in outs[1:])]  # peek_image_shape: a CPU op
