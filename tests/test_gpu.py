@@ -120,7 +120,7 @@ def test_nvjpeg_batch_matches_the_cpu_decoder():
 def test_dali_mixed_decoder_matches_its_cpu_decoder():
     """DALI's GPU ("mixed") decoder: a PNG bit-exact with DALI on the CPU, JPEGs within the
     nvJPEG test's tolerance, a JPEG crop's region decode too; each image stays as decoded after
-    the next (DALI reuses its output buffers)."""
+    the next (the tensors view DALI's outputs, which only its default executor leaves alone)."""
     pytest.importorskip("nvidia.dali", reason="no DALI here (scripts/gpu-dali-parts carries it)")
     from PIL import Image
 

@@ -100,9 +100,9 @@ class Decoder(LibraryDecoder):
             del self._pipes[kind]  # a failed run may leave it unusable; rebuild next time
             raise RuntimeError(str(e)[:300]) from None  # DALI's messages run to pages
         if self.device.startswith("cuda"):
-            # __dlpack__ orders torch's stream after DALI's; the copy owns the pixels, which
-            # DALI's next run writes over (its output buffers are reused)
-            first = torch.from_dlpack(outs[0].as_tensor())[0].clone()
+            # __dlpack__ makes torch's stream wait for DALI's; DALI's default (dynamic) executor
+            # leaves the output to us, so the next run does not write over it
+            first = torch.from_dlpack(outs[0].as_tensor())[0]
         else:
             first = torch.from_numpy(np.array(outs[0].at(0)))
         return [first, *(np.array(o.at(0)) for o in outs[1:])]  # peek_image_shape: a CPU op
