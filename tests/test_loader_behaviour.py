@@ -8,6 +8,7 @@ import gc
 import inspect
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -982,6 +983,40 @@ def test_pin_memory_like_torch(transport):
             "'pin_memory' argument is set as true but no accelerator is found, "
             "then device pinned memory won't be used."
         ]
+
+
+_TORCH_WARNINGS = {  # what makes torch's loader warn, and the warning's start
+    "too many workers": (dict(num_workers=os.cpu_count() + 1), "This DataLoader will create"),
+    "pin_memory without an accelerator": (dict(num_workers=2, pin_memory=True),
+                                          "'pin_memory' argument is set as true"),
+    "a worker that cannot start": (dict(num_workers=1, multiprocessing_context="spawn",
+                                        collate_fn=lambda batch: batch), "Got pickle error"),
+}
+
+
+@pytest.mark.parametrize("case", list(_TORCH_WARNINGS))
+def test_torchs_warnings_belong_to_torchs_module(case):
+    """Training scripts silence the loader's warnings with filterwarnings(..., module=
+    "torch.utils.data.dataloader"): fastmm raises torch's warnings from that module too, so the
+    filter silences them as it does torch's."""
+    kwargs, start = _TORCH_WARNINGS[case]
+    if case.startswith("pin_memory") and torch.accelerator.is_available():
+        pytest.skip("pin_memory warns only where there is no accelerator")
+
+    def warned(cls, module_filter: bool) -> bool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if module_filter:
+                warnings.filterwarnings("ignore", module="torch.utils.data.dataloader")
+            try:
+                list(cls(SampleDataset(4), batch_size=2, **kwargs))
+            except pickle.PicklingError:
+                pass
+        return any(str(w.message).startswith(start) for w in caught)
+
+    for cls in (TorchDataLoader, fastmm.DataLoader):
+        assert warned(cls, module_filter=False), cls
+        assert not warned(cls, module_filter=True), cls
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -179,7 +180,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         restore = self.__dict__.pop("_fastmm_restore", None)
         if self.num_workers == 0:
             return _SingleProcessIter(self, restore)
-        self.check_worker_number_rationality()
+        _call_as_torch(self.check_worker_number_rationality)
         from . import doctor  # (not at import: python -m fastmm.doctor runs it as __main__)
 
         doctor.warn_once(self.__dict__.setdefault("_fastmm_findings", set()),
@@ -283,6 +284,18 @@ def _export(tm: Telemetry, directory: str, trace: bool) -> dict[str, str] | None
         return None
 
 
+def _call(fn, *args):
+    return fn(*args)
+
+
+# _call with torch.utils.data.dataloader's globals: a warning raised in its frame (torch's, at
+# stacklevel=2: too many workers, pin_memory without an accelerator; fastmm's in torch's words)
+# belongs to torch's module, as with torch's loader, so a training script's
+# filterwarnings(..., module="torch.utils.data.dataloader") still silences it.
+_call_as_torch = types.FunctionType(_call.__code__, vars(torch.utils.data.dataloader),
+                                    "_call_as_torch")
+
+
 def _check_cuda(status, what: str) -> None:
     if int(status) != 0:
         raise RuntimeError(f"fastmm: {what} failed with CUDA error {int(status)} ({status})")
@@ -313,11 +326,11 @@ class _ResumableIter:
     def _start_progress(self, loader, restore: resume.Progress | None, init) -> None:
         if restore is not None and (restore.mid_epoch or restore.base_seed is not None):
             with resume.KeepRng(loader.generator):  # those draws were made before the save
-                init(loader)
+                _call_as_torch(init, loader)
             if restore.base_seed is not None:
                 self._base_seed = restore.base_seed
         else:
-            init(loader)
+            _call_as_torch(init, loader)
         progress = resume.Progress(loader.num_workers, base_seed=self._base_seed)
         if restore is not None:
             if restore.base_seed is not None:
@@ -491,12 +504,12 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             for end in ends:
                 end.close()
             if isinstance(e, (TypeError, AttributeError, pickle.PicklingError)):
-                warnings.warn(  # torch's words (spawn and forkserver pickle the arguments)
-                    "Got pickle error when attempting to start a worker Process. This might be "
+                _call_as_torch(  # torch's words (spawn and forkserver pickle the arguments)
+                    warnings.warn, "Got pickle error when attempting to start a worker Process. This might be "
                     "because the worker Process arguments are not picklable. Python 3.14+ "
                     "changed the multiprocessing start method in non-Mac POSIX platforms to "
                     "'forkserver', which requires the worker Process arguments to be picklable. "
-                    "You can also try multiprocessing.set_start_method('fork').", stacklevel=2)
+                    "You can also try multiprocessing.set_start_method('fork').", UserWarning)
             raise
         result_send.close()
         fd_worker.close()
