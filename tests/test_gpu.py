@@ -121,7 +121,7 @@ def test_dali_mixed_decoder_matches_its_cpu_decoder():
     """DALI's GPU ("mixed") decoder: a PNG bit-exact with DALI on the CPU, JPEGs within the
     nvJPEG test's tolerance, a JPEG crop's region decode too; each image stays as decoded after
     the next (the tensors view DALI's outputs, which only its default executor leaves alone)."""
-    pytest.importorskip("nvidia.dali", reason="no DALI here (scripts/gpu-dali-parts carries it)")
+    pytest.importorskip("nvidia.dali", reason="no DALI here (scripts/gpu-wheels packs it for the device)")
     from PIL import Image
 
     from fastmm.dataset import ResizedCrop
@@ -135,12 +135,13 @@ def test_dali_mixed_decoder_matches_its_cpu_decoder():
     decoded = [gpu.decode_image(d) for d in datas]
     kept = [g.clone() for g in decoded]
     gpu.decode_image(_photo_like(3))
-    for g, k, c in zip(decoded, kept, (cpu.decode_image(d) for d in datas)):
+    on_cpu = [cpu.decode_image(d) for d in datas]
+    for g, k, c in zip(decoded, kept, on_cpu):
         assert g.is_cuda and g.dtype == torch.uint8 and g.shape == c.shape
         assert torch.equal(g, k)
-    assert torch.equal(decoded[0].cpu(), cpu.decode_image(datas[0]))
-    for g, d in zip(decoded[1:], datas[1:]):
-        assert (g.cpu().int() - cpu.decode_image(d).int()).abs().float().mean() < 2.0
+    assert torch.equal(decoded[0].cpu(), on_cpu[0])
+    for g, c in zip(decoded[1:], on_cpu[1:]):
+        assert (g.cpu().int() - c.int()).abs().float().mean() < 2.0
 
     def plan(width, height):
         torch.manual_seed(0)
