@@ -56,7 +56,7 @@ MEMORY_CONDITION_KEYS = {
     "paired_ratios_over_baseline", "verdict", "verdict_on_total",
     "torch_peak_shmem_over_baseline_bytes", "fastmm_peak_shmem_over_baseline_bytes",
 }
-STAT_KEYS = {"n", "median", "min", "max", "ci95_low", "ci95_high"}
+STAT_KEYS = {"n", "median", "min", "max", "ci_low", "ci_high", "ci_level"}
 
 BATCH = 32
 WORKERS = 2
@@ -264,11 +264,29 @@ def test_cli_prints_table_and_writes_markdown(run):
 def test_summarize_exact():
     s = stats.summarize([3.0, None, 1.0, 2.0])
     assert (s["n"], s["median"], s["min"], s["max"]) == (3, 2.0, 1.0, 3.0)
-    assert 1.0 <= s["ci95_low"] <= s["median"] <= s["ci95_high"] <= 3.0
+    assert (s["ci_low"], s["ci_high"], s["ci_level"]) == (1.0, 3.0, 0.75)  # the range of 3
     assert stats.summarize([None]) is None
     assert stats.summarize([5.0]) == {"n": 1, "median": 5.0, "min": 5.0, "max": 5.0,
-                                      "ci95_low": 5.0, "ci95_high": 5.0}
+                                      "ci_low": 5.0, "ci_high": 5.0, "ci_level": 0.0}
     assert stats.paired_ratios([2.0, None, 9.0], [1.0, 1.0, 3.0]) == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("n, rank, level", [(5, 1, 0.9375), (6, 1, 0.96875), (8, 1, 0.9921875),
+                                            (9, 2, 0.9609375), (12, 3, 0.96142578125)])
+def test_the_median_interval_is_the_widest_pair_of_order_statistics_needed_for_95(n, rank, level):
+    """Coverage 1 - 2 P(Binomial(n, 1/2) < k) for (x_(k), x_(n+1-k)), k as large as 95% allows
+    (the textbook table: n=9 -> k=2, n=12 -> k=3); under 6 repetitions no pair reaches 95%."""
+    s = stats.summarize(range(n, 0, -1))  # unsorted on purpose
+    assert (s["ci_low"], s["ci_high"], s["ci_level"]) == (rank, n + 1 - rank, level)
+    assert stats.is_ci95(s) == (n >= 6)
+
+
+def test_an_interval_says_what_kind_it_is():
+    assert stats.interval(stats.summarize([1.0, 1.2, 1.1]), 2, "x") == "1.10x [1.00-1.20] (range of 3)"
+    assert (stats.interval(stats.summarize([1.0, 1.3, 1.1, 1.2, 1.2, 1.1]), 2, "x")
+            == "1.15x [1.00-1.30] (95% CI)")
+    assert stats.interval(stats.summarize([2.0]), 1, " s") == "2.0 s (1 repetition)"
+    assert stats.interval(None) == "-"
 
 
 def test_a_target_is_judged_by_the_interval_not_the_median():
@@ -276,7 +294,7 @@ def test_a_target_is_judged_by_the_interval_not_the_median():
     target is not a result (the main job printed 'NOT met' for 44 MiB against 44 MiB)."""
     def ratios(low, high):
         return {"n": 3, "median": (low + high) / 2, "min": low, "max": high,
-                "ci95_low": low, "ci95_high": high}
+                "ci_low": low, "ci_high": high, "ci_level": 0.75}
 
     assert stats.verdict(ratios(1.02, 1.3), 1.0) == "met"
     assert stats.verdict(ratios(0.8, 0.97), 1.0) == "NOT met"

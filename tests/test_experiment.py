@@ -68,7 +68,7 @@ def test_every_arm_changes_one_factor_and_passes_its_check(ran):
         assert changed == (set() if name == "baseline" else {arm["factor"]})
         assert arm["correctness"]["ok"] and arm["correctness"]["runs"] == 5, name
         s = arm["samples_per_s"]
-        assert s["n"] == 5 and s["ci95_low"] <= s["median"] <= s["ci95_high"]
+        assert s["n"] == 5 and s["ci_low"] <= s["median"] <= s["ci_high"]
         if name != "baseline":
             assert arm["ratio"]["n"] == 5
     checks = {n: a["correctness"]["check"] for n, a in arms.items()}

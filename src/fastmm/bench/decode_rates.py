@@ -223,7 +223,7 @@ def run(args) -> dict:
 
 
 def _fmt(s: dict | None) -> str:
-    return "-" if not s else f"{s['median']:.0f} [{s['ci95_low']:.0f}-{s['ci95_high']:.0f}]"
+    return "-" if not s else f"{s['median']:.0f} [{s['ci_low']:.0f}-{s['ci_high']:.0f}]"
 
 
 def _num(value, spec: str = ".1f") -> str:

@@ -376,11 +376,11 @@ def _decision(entry: dict, base: dict) -> str:
     pss = entry["peak_total_pss_bytes"] / max(1, base["peak_total_pss_bytes"])
     if ratio is None:
         return ""
-    if ok and ratio["ci95_low"] > 1.05 and pss <= 1.10:
+    if ok and ratio["ci_low"] > 1.05 and pss <= 1.10:
         return "roll out"
     if not ok:
         return "reject: correctness"
-    if ratio["ci95_high"] < 1.0:
+    if ratio["ci_high"] < 1.0:
         return "reject: slower"
     return "no change shown" if pss <= 1.10 else "reject: memory"
 
@@ -388,8 +388,8 @@ def _decision(entry: dict, base: dict) -> str:
 def _fmt_ci(s: dict | None, digits: int = 1, unit: str = "") -> str:
     if not s:
         return "-"
-    return (f"{s['median']:.{digits}f}{unit} [{s['ci95_low']:.{digits}f}-"
-            f"{s['ci95_high']:.{digits}f}]")
+    return (f"{s['median']:.{digits}f}{unit} [{s['ci_low']:.{digits}f}-"
+            f"{s['ci_high']:.{digits}f}]")
 
 
 def report_markdown(result: dict, plots: dict[str, str] | None = None) -> str:
@@ -482,8 +482,8 @@ def plots(result: dict, out: str) -> dict[str, str]:
     arms = {k: a for k, a in result["arms"].items() if a.get("ratio")}
     names = list(arms)
     med = [arms[n]["ratio"]["median"] for n in names]
-    low = [m - arms[n]["ratio"]["ci95_low"] for n, m in zip(names, med)]
-    high = [arms[n]["ratio"]["ci95_high"] - m for n, m in zip(names, med)]
+    low = [m - arms[n]["ratio"]["ci_low"] for n, m in zip(names, med)]
+    high = [arms[n]["ratio"]["ci_high"] - m for n, m in zip(names, med)]
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(names) + 1.2))
     ax.barh(names, med, xerr=[low, high], color="#4c72b0", capsize=4)
     ax.axvline(1.0, color="black", linewidth=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import stats
 from .workloads import CONSUMERS
 
 
@@ -65,16 +66,16 @@ def method(consume: str) -> dict:
         "ratios fastmm/torch of peak PSS over idle in each round (their repetitions ran back to "
         "back); verdict_on_total judges peak total PSS the same way; paced.conclusive is false "
         "when a loader did not keep pace (its buffers were not full)",
-        "verdicts": "a target is met when the percentile-bootstrap 95% CI of the median paired "
-        "ratio lies wholly on the target's side, NOT met when it lies wholly on the other, and "
+        "verdicts": "a target is met when the interval of the median paired ratio (statistics) "
+        "lies wholly on the target's side, NOT met when it lies wholly on the other, and "
         "not shown when it straddles the target (the repetitions cannot tell); one repetition's "
         "interval is its value",
         "cpu_ms_per_sample": "user+system CPU of the main process and its workers during the "
         "window, per sample",
         "other_processes_cpu_cores": "machine-wide busy CPU minus this benchmark's own, during the "
         "window, in cores (a busy machine shows up here)",
-        "statistics": "median over timed repetitions, min..max, percentile-bootstrap 95% CI of the "
-        "median; ratio = median(fastmm) / median(torch), paired ratios = rep i / rep i",
+        "statistics": "median over timed repetitions, min..max, and the " + stats.CI_METHOD
+        + "; ratio = median(fastmm) / median(torch), paired ratios = rep i / rep i",
         "decode_limit": "L = usable cores x single-thread rate of the same __getitem__ measured in "
         "the same run",
         "transport_ceiling": "the consume-alone rate (the consumer over one batch already in "
@@ -226,10 +227,7 @@ def _verdict(verdict: str | None, ratios: dict | None) -> str:
     """A target's verdict with the interval it was judged on."""
     if not ratios:
         return verdict or "-"
-    if ratios["n"] < 2:
-        return f"{verdict} (one repetition: no interval)"
-    return (f"{verdict} (95% CI of the paired ratio {ratios['ci95_low']:.2f}-"
-            f"{ratios['ci95_high']:.2f}x)")
+    return f"{verdict} (paired ratio {stats.interval(ratios, 2, 'x')})"
 
 
 def _notes(case: dict) -> list[str]:

@@ -299,7 +299,7 @@ def report(result: dict) -> str:
             continue
         s, w, st, ms = a["samples_per_s"], a["data_wait_p50_s"], a["loop_step_s"], a["model_step_s"]
         alone, gi = a["model_step_s_alone"], a["gpu_idle_fraction"]
-        lines.append(f"| {name} | {s['median']:.1f} [{s['ci95_low']:.1f}-{s['ci95_high']:.1f}] | "
+        lines.append(f"| {name} | {s['median']:.1f} [{s['ci_low']:.1f}-{s['ci_high']:.1f}] | "
                      f"{alone * 1e3:.1f} ms | {ms['median'] * 1e3:.1f} ms "
                      f"({ms['median'] / alone if alone else float('nan'):.2f}x) | "
                      f"{st['median'] * 1e3:.1f} ms | "

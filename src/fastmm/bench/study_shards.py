@@ -230,7 +230,7 @@ def report(result: dict) -> str:
     def ci(s, fmt=".1f", unit=""):
         if s is None:
             return "-"
-        return (f"{s['median']:{fmt}}{unit} [{s['ci95_low']:{fmt}}-{s['ci95_high']:{fmt}}]")
+        return (f"{s['median']:{fmt}}{unit} [{s['ci_low']:{fmt}}-{s['ci_high']:{fmt}}]")
 
     for name, r in result["results"].items():
         if "error" in r:

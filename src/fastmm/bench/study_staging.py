@@ -197,8 +197,8 @@ def report(result: dict) -> str:
     s, d = result["slow_storage"], result["data"]
 
     def f(x, unit="s", digits=2):
-        return (f"{x['median']:.{digits}f} {unit} [{x['ci95_low']:.{digits}f}-"
-                f"{x['ci95_high']:.{digits}f}]") if x else "-"
+        return (f"{x['median']:.{digits}f} {unit} [{x['ci_low']:.{digits}f}-"
+                f"{x['ci_high']:.{digits}f}]") if x else "-"
 
     e = result["environment"]
     return "\n".join([

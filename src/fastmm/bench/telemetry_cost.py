@@ -232,7 +232,7 @@ def _arm_lines(arms: dict, ratios: dict, fmt: str, verdicts: dict) -> list[str]:
     for name, s in arms.items():
         r, extra = ratios.get(name), ""
         if r:
-            extra = f"   {r['median']:.3f} [{r['ci95_low']:.3f}-{r['ci95_high']:.3f}]"
+            extra = f"   {r['median']:.3f} [{r['ci_low']:.3f}-{r['ci_high']:.3f}]"
             if verdicts.get(name):
                 extra += f" {verdicts[name]}"
         lines.append(f"  {name:16s} {s['median']:10{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
