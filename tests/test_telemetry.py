@@ -399,23 +399,137 @@ def test_worker_memory_is_the_memory_it_touched(loader_cls, tmp_path):
     assert m["total_pss_bytes"]["max"] >= m["main_pss_bytes"]["max"] + (Allocates.MIB << 20)
 
 
-def test_pss_is_swept_once_workers_have_run_a_while_or_once_at_the_end():
-    """A PSS sweep walks every page table of every process (~13 ms a torch process): none at
-    the start, then every pss_interval_s; a sampler stopped sooner sweeps once, at its end."""
-    from fastmm.telemetry.sampler import Sampler
+def test_pss_is_swept_early_then_every_pss_interval_or_once_at_the_end():
+    """A PSS sweep walks every page table of every process (3-15 ms a torch process): none at
+    the start; the first at FIRST_PSS_S (0.5 s), then at about twice the time so far, until
+    sweeps are pss_interval_s apart (an epoch of a second or two is swept while its workers
+    live); a sampler stopped before any sweep sweeps once, at its end."""
+    from fastmm.telemetry.sampler import FIRST_PSS_S, Sampler
 
-    for pss_interval_s, run_s in ((10.0, 0.15), (0.1, 0.35)):
+    assert FIRST_PSS_S == 0.5
+    for pss_interval_s, run_s in ((10.0, 0.15), (0.1, 0.35), (0.8, 2.3)):
         rows = []
         sampler = Sampler(lambda: [], 0.02, pss_interval_s, None, rows.append)
         sampler.start()
         time.sleep(run_s)
         sampler.stop()
         swept = [row["t_s"] for row in rows if "pss_bytes" in row]
-        assert len(rows) >= 4 and swept[0] >= min(pss_interval_s, run_s), (swept, len(rows))
-        if pss_interval_s > run_s:
+        first = min(FIRST_PSS_S, pss_interval_s)
+        assert len(rows) >= 4 and swept[0] >= min(first, run_s), (swept, len(rows))
+        if first > run_s:
             assert swept == [rows[-1]["t_s"]]
+            continue
+        for before, after in zip(swept, swept[1:]):  # each gap: the time so far, at most
+            gap = min(max(before, FIRST_PSS_S), pss_interval_s)  # pss_interval_s
+            assert gap <= after - before <= gap + 0.25, swept
+        if pss_interval_s == 0.8:  # at ~0.5, ~1.0 (doubled), ~1.8 (0.8 on); the next past 2.3
+            assert len(swept) == 3, swept
         else:
-            assert len(swept) >= 2 and all(b - a >= pss_interval_s for a, b in zip(swept, swept[1:]))
+            assert len(swept) >= 2
+
+
+class Paced(Dataset):
+    """Each sample keeps a worker's CPU busy for 2 ms."""
+
+    def __len__(self):
+        return 8 * 30
+
+    def __getitem__(self, i):
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:
+            pass
+        return torch.tensor(i)
+
+
+@pytest.mark.parametrize("leave", ["runs out", "break"])
+def test_a_short_epoch_measures_each_workers_memory_and_cpu(loader_cls, leave):
+    """An epoch of ~1.5 s (30 batches, a 50 ms step) or one left after ~1.2 s: the early PSS
+    sweeps see both workers, one PSS, USS and Pss_Anon a worker a sweep, each of them no more
+    than the one before it (Pss_Anon <= PSS: its anonymous part; USS <= PSS <= RSS), and every
+    tick a CPU figure a worker. (Before, the first sweep waited pss_interval_s, and the one at
+    the end found torch's workers gone: it ends them before StopIteration reaches the loop.)"""
+    tm = Telemetry()  # pss_interval_s=5: only the early sweeps fall in the epoch
+    for step, _ in enumerate(tm.watch(loader_cls(Paced(), batch_size=8, num_workers=2))):
+        time.sleep(0.05)
+        if leave == "break" and step == 23:
+            break
+    m = tm.summary()["metrics"]
+    rows = [r for r in tm._series if len(r["pids"]) == 3]
+    swept = [r for r in rows if "pss_bytes" in r]
+    both = [r for r in swept if None not in r["pss_bytes"]]
+    assert len(both) >= 1, [(r["t_s"], r["pss_bytes"]) for r in swept]
+    for name in ("pss_bytes", "uss_bytes", "rss_bytes", "cpu_percent"):
+        seen = [v for r in (swept if name in ("pss_bytes", "uss_bytes") else rows)
+                for v in r[name][1:] if v is not None]
+        assert m[f"worker_{name}"]["count"] == len(seen), name  # one a worker a row
+        assert m[f"worker_{name}"]["max"] == max(seen), name
+    assert m["worker_pss_bytes"]["count"] >= 2 and m["worker_cpu_percent"]["count"] >= 2 * 4
+    for r in both:
+        for w in (1, 2):
+            pss, uss, anon = r["pss_bytes"][w], r["uss_bytes"][w], r["pss_anon_bytes"][w]
+            assert 1 << 20 < uss <= pss <= r["rss_bytes"][w], r  # a worker's own pages, ...
+            assert 1 << 20 < anon <= pss and pss > 16 << 20, r  # ... its share of torch's
+    cpu = [v for r in rows for v in r["cpu_percent"][1:] if v is not None]
+    # 2 ms a sample, one core each at most (clock ticks of 10 ms over 0.2 s windows: +-5%)
+    assert max(cpu) > 1 and all(0 <= v <= 110 for v in cpu), cpu
+    # the main process's and the loader's figures: from the sweeps that read every process
+    assert m["main_pss_bytes"]["count"] == m["loader_host_bytes"]["count"] == len(both)
+
+
+class Images(Dataset):
+    """3x224x224 uint8 images (150,528 bytes), made in microseconds."""
+
+    def __len__(self):
+        return 32 * 24
+
+    def __getitem__(self, i):
+        return torch.full((3, 224, 224), i % 251, dtype=torch.uint8)
+
+
+def test_loader_host_bytes_holds_the_batches_in_flight(loader_cls, tmp_path):
+    """What the loader added to the host's memory: its processes' Pss_Anon over the main
+    process's before the epoch, plus the host's Shmem over its own then (torch's batches
+    queued as shared-memory segments no process maps yet, fastmm's slabs, mapped or not).
+
+    The loop keeps its last 4 batches and steps every 0.1 s, so while it sleeps each of the 2
+    workers has prefetch_factor (4) batches made and waiting: at least 12 batches (58 MB) are
+    in shared memory, with torch's loader (a segment a batch) and fastmm's (a slab a batch, at
+    least), more than the anonymous memory the processes add (~35 MiB here: the workers' heaps
+    and the pages they copied on write), so a figure without the shared part falls short. At
+    most: fastmm keeps up to prefetch_factor + 1 free slabs a worker on top, and a process adds
+    a few tens of MB of its own; a figure that kept the main process's own memory from before
+    the epoch (~290 MiB with torch imported) is far above. (Shmem is the host's: another
+    program making or freeing shared memory meanwhile moves it.)"""
+    import gc
+
+    gc.collect()  # earlier tests' batches go now, not while this one reads the host's Shmem
+    workers, prefetch, held, batch_bytes = 2, 4, 4, 32 * 3 * 224 * 224
+    tm = Telemetry(pss_interval_s=1.0)
+    loader = loader_cls(Images(), batch_size=32, num_workers=workers, prefetch_factor=prefetch)
+    kept = []
+    for batch in tm.watch(loader):
+        kept = (kept + [batch])[-held:]
+        time.sleep(0.1)
+    del kept, batch
+    m = tm.summary()["metrics"]
+    swept = [r for r in tm._series if "pss_bytes" in r]
+    measured = [r for r in swept if r["loader_host_bytes"] is not None]
+    assert len(measured) >= 2, [r["t_s"] for r in swept]  # at ~0.5, ~1 and ~2 s
+    base_anon = tm._base[1]
+    for r in swept:
+        anon = r["pss_anon_bytes"]
+        assert r["loader_host_bytes"] == (
+            None if None in anon else sum(anon) - base_anon + r["shm_bytes"]), r
+    values = [r["loader_host_bytes"] for r in measured]
+    assert m["loader_host_bytes"]["count"] == len(values)
+    assert m["loader_host_bytes"]["max"] == max(values)
+    least = (workers * prefetch + held) * batch_bytes
+    most = (workers * (2 * prefetch + 1) + held) * batch_bytes + (workers + 1) * (48 << 20)
+    assert least <= m["loader_host_bytes"]["max"] <= most, (least, values, most)
+    rows = [json.loads(line) for line in open(tm.export(str(tmp_path))["timeseries"])]
+    assert [(r["t_s"], r["loader_host_bytes"]) for r in rows if "pss_bytes" in r] == [
+        (r["t_s"], r["loader_host_bytes"]) for r in swept]
+    assert all("loader_host_bytes" not in r for r in rows if "pss_bytes" not in r)
 
 
 class Reads(Dataset):
@@ -457,7 +571,9 @@ def test_same_names_and_units_for_both_loaders(tmp_path):
         summaries[name] = tm.summary()
         table = tm.table()
         assert all(metric in table for metric in METRICS)
-        tm.export(str(tmp_path / name))
+        trace = json.load(open(tm.export(str(tmp_path / name))["trace"]))
+        counters = {e["name"] for e in trace["traceEvents"] if e["ph"] == "C"}
+        assert counters == {"total_pss_bytes", "loader_host_bytes"}, counters
     keys = [set(s["metrics"]) for s in summaries.values()]
     assert keys[0] == keys[1] == set(METRICS)
     for metric in METRICS:  # measured for one, measured for the other (GPU ones for neither)

@@ -1,6 +1,6 @@
 """Exports of a telemetry session: a summary (JSON and a terminal table), a time series (JSON
 lines, one sampler row each) and a Chrome trace (JSON; opens in Perfetto or chrome://tracing)
-with one track for the main loop, one per worker and one for the GPU."""
+with one track for the main loop, one per worker and one for the GPU, and memory counters."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def _fmt(name: str, value: float) -> str:
 
 def write(directory: str, summary: dict, series: list[dict], spans, loop_events, gpu_events,
           t0_ns: int) -> dict[str, str]:
+    """summary.json; timeseries.jsonl, one sampler row a line (its fields: sampler.Sampler);
+    with ``spans``, trace.json."""
     os.makedirs(directory, exist_ok=True)
     paths = {"summary": os.path.join(directory, "summary.json"),
              "timeseries": os.path.join(directory, "timeseries.jsonl")}
@@ -87,9 +89,12 @@ def chrome_trace(spans, loop_events, gpu_events, series, t0_ns: int, loader: str
     for name, start, seconds in gpu_events:  # placed at the host time the work was queued
         events.append({"ph": "X", "name": name, "pid": pid, "tid": GPU_TID,
                        "ts": (start - t0_ns) / 1e3, "dur": seconds * 1e6})
-    for row in series:
+    for row in series:  # counters of the sweeps' memory figures
+        ts = (row["t_ns"] - t0_ns) / 1e3
         if "pss_bytes" in row and all(v is not None for v in row["pss_bytes"]):
-            events.append({"ph": "C", "name": "total_pss_bytes", "pid": pid,
-                           "ts": (row["t_ns"] - t0_ns) / 1e3,
+            events.append({"ph": "C", "name": "total_pss_bytes", "pid": pid, "ts": ts,
                            "args": {"bytes": sum(row["pss_bytes"])}})
+        if row.get("loader_host_bytes") is not None:
+            events.append({"ph": "C", "name": "loader_host_bytes", "pid": pid, "ts": ts,
+                           "args": {"bytes": row["loader_host_bytes"]}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -33,11 +33,15 @@ METRICS: dict[str, str] = {
     "gpu_util_percent": "NVML utilisation of the loop's GPU, sampled",
     "gpu_idle_fraction": "1 - GPU time of the marked compute() / loop wall time (CUDA events), "
                          "else the share of NVML samples at 0%",
-    "main_pss_bytes": "main process PSS, sampled",
+    "main_pss_bytes": "main process PSS, sampled while its workers live (once one is gone "
+                      "the main's PSS takes in the pages they shared)",
     "worker_rss_bytes": "each worker's RSS, sampled (all workers pooled)",
     "worker_pss_bytes": "each worker's PSS, sampled (all workers pooled)",
     "worker_uss_bytes": "each worker's USS (memory only it maps), sampled (all workers pooled)",
     "total_pss_bytes": "main + all workers PSS, sampled",
+    "loader_host_bytes": "host memory the loader added, sampled with PSS: Pss_Anon of main + "
+                         "workers over the main's before the epoch, + shm_bytes (its batches "
+                         "and slabs, mapped or not); compare loaders by this, not PSS",
     "host_used_peak_bytes": "host memory in use (psutil's used), highest sample",
     "shm_bytes": "shared memory on the host over what it was when the epoch began (segments "
                  "no process maps included), sampled",
@@ -54,7 +58,8 @@ METRICS: dict[str, str] = {
 DISTRIBUTIONS = {
     "first_batch_s", "epoch_start_s", "queue_wait_s", "step_s", "sample_s", "read_s", "decode_s",
     "augment_s", "collate_s", "h2d_s", "gpu_util_percent", "main_pss_bytes", "worker_rss_bytes",
-    "worker_pss_bytes", "worker_uss_bytes", "total_pss_bytes", "shm_bytes", "cpu_percent",
+    "worker_pss_bytes", "worker_uss_bytes", "total_pss_bytes", "loader_host_bytes",
+    "shm_bytes", "cpu_percent",
     "main_cpu_percent", "worker_cpu_percent",
 }
 

@@ -28,7 +28,7 @@ from . import export
 from .metrics import DISTRIBUTIONS, METRICS, Distribution
 from .recorder import (_COLLATE, _SAMPLE, STAGES, SpanLog, TimedCollate, _Forwarding, deactivate,
                        rchar, wrap_dataset)
-from .sampler import Sampler
+from .sampler import Sampler, baseline
 
 
 def _skipped(dataset) -> int:
@@ -48,7 +48,8 @@ class Telemetry:
     latencies and samples go into ``Distribution``s, and past MAX_SERIES_ROWS the time
     series keeps every other row (then every 4th, ...), evenly over the run.
     ``interval_s``: how often processes and host are sampled; ``pss_interval_s``: how often
-    PSS/USS are (they cost the kernel a page-table walk per process)."""
+    PSS, USS and ``loader_host_bytes`` are, once an epoch has run a while (they cost the kernel
+    a page-table walk per process; an epoch's first sweeps come sooner: sampler.py)."""
 
     MAX_SERIES_ROWS = 20_000  # ~1.1 h at interval_s=0.2, ~20 MB with a few workers
 
@@ -60,6 +61,7 @@ class Telemetry:
         self.loader = None
         self._restore = None
         self._sampler: Sampler | None = None  # runs while an epoch does
+        self._base = None  # sampler.baseline() before the workers of the running epoch began
         self._series: list[dict] = []  # the sampler's rows kept for export
         self._row_stride = 1  # keep one row of this many
         self._rows_seen = 0
@@ -128,7 +130,7 @@ class Telemetry:
         if self._sampler is None:
             gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
             self._sampler = Sampler(self._workers, self.interval_s, self.pss_interval_s, gpu,
-                                    self._add_row)
+                                    self._add_row, self._base)
             self._sampler.start()
 
     def _stop_sampler(self) -> None:
@@ -172,6 +174,11 @@ class Telemetry:
         if threading.get_native_id() != self._loop_tid:
             self._loop_tid = threading.get_native_id()
             self._note_loop_reads(first=True)
+        if self._base is None or getattr(loader, "_iterator", None) is None:
+            # before the iterator is made: no worker or slab of it yet (persistent workers
+            # alive from an earlier epoch keep the base of the epoch that started them). One
+            # walk of this process's page tables (~3 ms), outside the epoch's time.
+            self._base = baseline()
         t_iter = self._epoch_since_ns = time.monotonic_ns()
         self._drain()  # spans of earlier epochs are not this one's
         start = (self._samples, self._collated, self.log.dropped)
@@ -525,8 +532,8 @@ class _SampledStats:
     (row[...][0] is the main process, the rest its workers)."""
 
     _NAMES = ("main_pss_bytes", "worker_rss_bytes", "worker_pss_bytes", "worker_uss_bytes",
-              "total_pss_bytes", "main_cpu_percent", "worker_cpu_percent", "cpu_percent",
-              "shm_bytes", "gpu_util_percent")
+              "total_pss_bytes", "loader_host_bytes", "main_cpu_percent", "worker_cpu_percent",
+              "cpu_percent", "shm_bytes", "gpu_util_percent")
 
     def __init__(self):
         self._lock = threading.Lock()  # rows come from the sampler thread
@@ -541,12 +548,13 @@ class _SampledStats:
             v["worker_rss_bytes"].extend([x for x in row["rss_bytes"][1:] if x is not None])
             if "pss_bytes" in row:
                 pss, uss = row["pss_bytes"], row["uss_bytes"]
-                if pss[0] is not None:
-                    v["main_pss_bytes"].add(pss[0])
                 v["worker_pss_bytes"].extend([x for x in pss[1:] if x is not None])
                 v["worker_uss_bytes"].extend([x for x in uss[1:] if x is not None])
-                if all(x is not None for x in pss):
+                if None not in pss:  # (a worker gone, the main's PSS takes in what they shared)
+                    v["main_pss_bytes"].add(pss[0])
                     v["total_pss_bytes"].add(sum(pss))
+                if row["loader_host_bytes"] is not None:
+                    v["loader_host_bytes"].add(row["loader_host_bytes"])
             c = row["cpu_percent"]
             if c[0] is not None:
                 v["main_cpu_percent"].add(c[0])
