@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("torchvision")
 
-from fastmm.bench import study_gpu_decode  # noqa: E402
+from fastmm.bench import stats, study_gpu_decode  # noqa: E402
+from _browser import render  # noqa: E402
 
 
 def test_gpu_decode_study_end_to_end(tmp_path):
@@ -30,9 +31,26 @@ def test_gpu_decode_study_end_to_end(tmp_path):
         assert arms["cpu-decode / model sleep"]["model_step_s_alone"] == pytest.approx(0.010,
                                                                                         abs=0.005)
     for name in measured:
-        assert arms[name]["samples_per_s"]["n"] == 5 and arms[name]["samples_per_s"]["median"] > 0
+        assert arms[name]["samples_per_s"]["n"] == 6 and arms[name]["samples_per_s"]["median"] > 0
     text = (out / "gpu_decode.md").read_text()
-    assert "not measured" in text and "GPU idle" in text
+    assert "not measured" in text and "GPU idle" in text and "[95% CI]" not in text
+    finding = result["finding"]
+    if torch.cuda.is_available():  # decode ahead on the GPU against CPU decode, paired
+        ratio = arms["gpu-decode ahead / model cuda"]["vs_cpu_decode"]
+        assert ratio["n"] == 6
+        assert finding["label"] == "gpu-decode ahead: " + stats.decision(ratio)[1]
+    else:  # the question is not measured here: no call but "undecided", with what was seen
+        assert finding["call"] == "undecided" and "no CUDA" in finding["text"]
+        rate = stats.interval(arms["cpu-decode / model sleep"]["samples_per_s"], 0, " samples/s")
+        assert rate in finding["label"] and rate in finding["text"]
+    seen = render(out / "report.html")
+    assert seen["answer"][:2] == [finding["text"],
+                                  f"Call: {finding['call']} ({finding['label']})."]
+    assert seen["answer"][2:] == seen["alerts"] == result["busy"]
+    assert list(seen["plots"]) == (
+        ["rates", "vs-cpu-decode"] if torch.cuda.is_available() else ["rates"])
+    assert all(w == 1000 and h > 150 for w, h in seen["plots"].values())
+    assert seen["tables"] == [1 + len(arms)] and seen["external"] == []
 
 
 def test_both_placements_draw_the_same_crops(tmp_path):

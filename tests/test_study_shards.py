@@ -10,8 +10,11 @@ pytest.importorskip("torchvision")
 
 
 def test_sharded_storage_study_under_torchrun(tmp_path):
-    """Study 3, quick: every layout runs in a real 2-rank torchrun job with equal batch counts."""
-    from fastmm.bench import study_shards
+    """Study 3, quick: every layout runs in a real 2-rank torchrun job with equal batch counts;
+    its page shows the finding and both plots."""
+    from _browser import render
+
+    from fastmm.bench import stats, study_shards
 
     out = tmp_path / "out"
     assert study_shards.main(["--quick", "--out", str(out), "--cache-dir",
@@ -31,4 +34,21 @@ def test_sharded_storage_study_under_torchrun(tmp_path):
     assert result["results"]["staged / world 2"]["staging_s"]["median"] >= 0
     assert result["process_ready_s"]["world 2"] > 0  # one job per world size: started once
     table = (out / "shards.md").read_text()
-    assert "vs files" in table and "1.00x [1.00-1.00]" in table and " s at world 2 " in table
+    assert "vs files" in table and "1.00x [1.00-1.00] (range of 2)" in table
+    assert " s at world 2 " in table and "[95% CI]" not in table
+    # the call: stats.decision's on the first shard layout at the largest world size; with
+    # 2 repetitions there is no 95% CI, so it cannot be more than "undecided"
+    finding, top = result["finding"], result["results"]["shards-300kB / world 2"]
+    assert (finding["call"], finding["label"]) == (
+        "undecided", "shards-300kB / world 2: " + stats.decision(top["vs_files"])[1])
+    assert stats.interval(top["vs_files"], 2, "x") in finding["label"]
+    assert all(f"{k} {stats.interval(result['results'][f'{k} / world 2']['vs_files'], 2, 'x')}"
+               in finding["text"] for k in ("shards-300kB", "shards-2MB", "staged"))
+    assert isinstance(result["busy"], list)
+    seen = render(out / "report.html")
+    assert seen["answer"][:2] == [finding["text"],
+                                  f"Call: {finding['call']} ({finding['label']})."]
+    assert seen["answer"][2:] == seen["alerts"] == result["busy"]
+    assert list(seen["plots"]) == ["per-rank-rates", "vs-files"]
+    assert all(w == 1000 and h > 150 for w, h in seen["plots"].values())
+    assert seen["tables"] == [1 + 4] and seen["external"] == []

@@ -10,7 +10,10 @@ import pytest
 
 pytest.importorskip("torchvision")
 
-from fastmm.bench import study_staging  # noqa: E402
+from fastmm.bench import stats, study_staging  # noqa: E402
+from _browser import render  # noqa: E402
+
+CALLS = {"roll out", "keep the baseline", "roll back", "undecided"}
 
 
 def test_throttled_server_holds_its_rate(tmp_path):
@@ -34,7 +37,7 @@ def test_staging_study_end_to_end(tmp_path):
                                "--work-dir", str(tmp_path)]) == 0
     result = json.loads((out / "staging.json").read_text())
     assert result["correctness"]["ok"]
-    assert len(result["reps"]) == 5
+    assert len(result["reps"]) == 6  # the fewest that give a 95% CI
     data_bytes = result["data"]["bytes"]
     for rep in result["reps"]:
         cost = rep["staging_cost"]
@@ -46,4 +49,19 @@ def test_staging_study_end_to_end(tmp_path):
     cold = result["reps"][0]["staged_cold"]["seconds"]
     if inp > cold:
         assert be["n"] >= 1
-    assert "break-even" in (out / "staging.md").read_text()
+    # the finding: its call is stats.decision's on the paired ratio, its label the interval
+    finding, ratio = result["finding"], result["staged_over_in_place_throughput"]
+    assert (finding["call"], finding["label"]) == stats.decision(ratio, ok=True)
+    assert finding["call"] in CALLS and stats.interval(ratio, 2, "x") in finding["label"]
+    assert "(95% CI)" in finding["label"] and stats.interval(ratio, 2, "x") in finding["text"]
+    assert all(0 <= r["other_processes_cpu_cores"] for r in result["reps"])
+    assert len(result["busy"]) == any(r["other_processes_cpu_cores"] > 0.25 for r in result["reps"])
+    md = (out / "staging.md").read_text()
+    assert "break-even" in md and finding["text"] in md and "[95% CI]" not in md
+    seen = render(out / "report.html")
+    assert seen["answer"][:2] == [finding["text"],
+                                  f"Call: {finding['call']} ({finding['label']})."]
+    assert seen["answer"][2:] == seen["alerts"] == result["busy"]
+    assert list(seen["plots"]) == ["break-even", "epoch-times"]
+    assert all(w == 1000 and h > 150 for w, h in seen["plots"].values())
+    assert seen["tables"] == [1 + len(study_staging.ROWS)] and seen["external"] == []

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import time
+import types
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -333,6 +334,9 @@ class MultimodalDataset(torch.utils.data.Dataset):
         decode_deadline: float | None = None,
         **source_options,
     ):
+        # what it was made from, for with_options (a benchmark's one-change arms)
+        options = {k: v for k, v in locals().items() if k not in ("self", "source_options")}
+        self.options = types.MappingProxyType({**options, **source_options})
         if on_error not in ("raise", "skip", "replace"):
             raise ValueError(f"on_error={on_error!r}; use 'raise', 'skip' or 'replace'")
         if modality not in (None, "image", "video"):
@@ -369,6 +373,16 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self.sample_watch = SampleWatch(deadline) if deadline else None
         self._said_unwatched = False  # warned that no loader enforces the deadline here
         self._items: list[int] | None = None
+
+    def with_options(self, **changes) -> "MultimodalDataset":
+        """A new dataset made from this one's arguments with ``changes`` (e.g. ``decoder=``,
+        ``reduce=``, ``source=``): the same samples through one other backend, as a
+        benchmark's single-factor arm asks."""
+        options = {**self.options, **changes}
+        if "source" in changes and isinstance(self.options["source"], Source):
+            raise ValueError("this dataset was given an open source: it has no root to open "
+                             "another source on")
+        return MultimodalDataset(**options)
 
     # -- index ---------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import torch
 import torch.utils.data
 
 from . import env, harness, options, report, stats
+from .report import BUSY_CORES
 from .corpus import default_cache_dir, ensure_corpus
 from .workloads import (
     CONSUMERS,
@@ -39,7 +40,6 @@ from .workloads import (
 WORKLOADS = ("transport", "decode", "captions")
 CLIP_MODES = ("view", "clone", "numpy", "bytes")
 RESULTS_FORMAT = 2  # 2: consumer choice, consume-alone, paced memory repetitions, Shmem
-BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
 BUSY_RETRIES = 2  # with --wait-quiet, a busy timed or memory repetition is redone at most this often
 PACE_FACTOR = 1.5  # paced memory repetitions: step = PACE_FACTOR x torch's median batch interval
 KEPT_PACE = 0.90  # a paced repetition kept pace if the loop waited for batches <= 10% of its window
@@ -530,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Benchmark torch.utils.data.DataLoader and fastmm.DataLoader side by side: same "
             "dataset, batch size and workers, interleaved repetitions, medians and spread."
         ),
+        epilog="Your own pipeline instead: fastmm-bench --dataset MODULE:CALLABLE [--step "
+               "MODULE:CALLABLE] --batch-size N --num-workers N --out DIR (fastmm-bench "
+               "--dataset x --help for its options).",
     )
     parser.add_argument("--out", type=options.directory, default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--quick", action="store_true",
@@ -595,6 +598,11 @@ def parse_args(argv=None):
 
 @options.command
 def main(argv=None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if any(a == "--dataset" or a.startswith("--dataset=") for a in given):
+        from . import ab
+
+        return ab.main(given)
     args = parse_args(argv)
     args.cores = env.usable_cores()
     started = time.perf_counter()
@@ -665,9 +673,11 @@ def main(argv=None) -> int:
     json_path.write_text(json.dumps(results, indent=1) + "\n")
     md_path = out / "summary.md"
     md_path.write_text(report.markdown(results))
+    html_path = report.write_html(results, str(out))
     print(report.text(results))
     _log(f"wrote {json_path} and {md_path} ({results['total_s']:.0f} s)"
          + (f"; interrupted {results['interrupted']}" if "interrupted" in results else ""))
+    print(f"report: {os.path.abspath(html_path)}")
     return 130 if "interrupted" in results else 0
 
 

@@ -25,9 +25,10 @@ import warnings
 
 import torch
 
-from . import env, options, stats
+from . import env, options, plots, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec, read_frame_index
+from .page import Page
 from .pipelines import _clip_spec, _files, ensure_mmcorpus
 from .report import save
 
@@ -223,49 +224,101 @@ def run(args) -> dict:
 
 
 def _fmt(s: dict | None) -> str:
-    return "-" if not s else f"{s['median']:.0f} [{s['ci_low']:.0f}-{s['ci_high']:.0f}]"
+    return stats.interval(s, 0)
 
 
 def _num(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(result: dict) -> str:
+IMAGE_HEADER = (["size class", "images", "CPU, 1 thread"]
+                + [f"nvJPEG batch {b}" for b in GPU_BATCHES]
+                + ["cores matching the GPU", "GPU beats a core from batch", "GPU vs CPU pixels"])
+VIDEO_HEADER = ["source", "clips", "CPU, 1 thread", "NVDEC", "cores matching the GPU",
+                "NVDEC frames right", "NVDEC vs CPU pixels"]
+READING = ("Cores matching the GPU: the GPU's best rate over one CPU thread's, i.e. how many "
+           "decoding cores one GPU stands in for (before the GPU's other work). A class where "
+           "it is below the cores a job can spare is one to keep on the CPU.")
+
+
+def _image_rows(result: dict) -> list[list[str]]:
+    return [[name, str(a["images"]), _fmt(a["rates"]["cpu 1 thread"])]
+            + [_fmt(a["rates"].get(f"gpu batch {b}")) for b in GPU_BATCHES]
+            + [_num(a.get("cores_matching_gpu")), _num(a.get("gpu_beats_one_core_from_batch"), "d"),
+               _num(a.get("gpu_vs_cpu_mean_abs_diff"), ".2f")]
+            for name, a in result["images"].items()]
+
+
+def _video_rows(result: dict) -> list[list[str]]:
+    return [[res, str(a["clips"]), _fmt(a["rates"]["cpu 1 thread"]), _fmt(a["rates"].get("nvdec")),
+             _num(a.get("cores_matching_gpu")), str(a.get("nvdec_frames_right", "-")),
+             _num(a.get("nvdec_vs_cpu_mean_abs_diff"), ".2f")]
+            for res, a in result["videos"].items()]
+
+
+def _setup(result: dict) -> str:
     e = result["environment"]
     gpus = ", ".join(d["name"] for d in e["gpus"]["devices"]) or "none"
-    lines = ["# Decode rates: CPU and GPU, and the crossover", "",
-             f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
-             f"{e['cpu_count_usable']} cores; GPU: {gpus}; {result['reps']} repetitions of "
-             f">= {result['min_seconds']} s each (median [95% CI]).", "",
-             "## JPEG images (images/s)", "",
-             "| size class | images | CPU, 1 thread | " +
-             " | ".join(f"nvJPEG batch {b}" for b in GPU_BATCHES) +
-             " | cores matching the GPU | GPU beats a core from batch | GPU vs CPU pixels |",
-             "|---" * (6 + len(GPU_BATCHES)) + "|"]
-    for name, a in result["images"].items():
-        r = a["rates"]
-        lines.append(f"| {name} | {a['images']} | {_fmt(r['cpu 1 thread'])} | " +
-                     " | ".join(_fmt(r.get(f"gpu batch {b}")) for b in GPU_BATCHES) +
-                     f" | {_num(a.get('cores_matching_gpu'))} | "
-                     f"{_num(a.get('gpu_beats_one_core_from_batch'), 'd')} | "
-                     f"{_num(a.get('gpu_vs_cpu_mean_abs_diff'), '.2f')} |")
+    return (f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
+            f"{e['cpu_count_usable']} cores; GPU: {gpus}; {result['reps']} repetitions of "
+            f">= {result['min_seconds']} s each. Intervals: {stats.CI_METHOD}.")
+
+
+def _not_measured(result: dict) -> list[str]:
+    out = []
     if not result["gpu_images"]["measured"]:
-        lines += ["", f"nvJPEG not measured: {result['gpu_images']['why']}."]
-    lines += ["", "## Video clips, 16 frames every 2nd (clips/s)", ""]
-    if result["videos"]:
-        lines += ["| source | clips | CPU, 1 thread | NVDEC | cores matching the GPU | "
-                  "NVDEC frames right | NVDEC vs CPU pixels |", "|---" * 7 + "|"]
-        for res, a in result["videos"].items():
-            r = a["rates"]
-            lines.append(f"| {res} | {a['clips']} | {_fmt(r['cpu 1 thread'])} | "
-                         f"{_fmt(r.get('nvdec'))} | {_num(a.get('cores_matching_gpu'))} | "
-                         f"{a.get('nvdec_frames_right', '-')} | "
-                         f"{_num(a.get('nvdec_vs_cpu_mean_abs_diff'), '.2f')} |")
+        out.append(f"nvJPEG not measured: {result['gpu_images']['why']}.")
     if not result["nvdec"]["measured"]:
-        lines += ["", f"NVDEC not measured: {result['nvdec']['why']}."]
-    lines += ["", "Cores matching the GPU: the GPU's best rate over one CPU thread's, i.e. how many "
-              "decoding cores one GPU stands in for (before the GPU's other work). A class where "
-              "it is below the cores a job can spare is one to keep on the CPU."]
+        out.append(f"NVDEC not measured: {result['nvdec']['why']}.")
+    return out
+
+
+def figures(result: dict) -> list[tuple]:
+    """(name, Figure, caption): the crossover of nvJPEG against one CPU core per size class,
+    only where the GPU was measured (a plot of one line per class says nothing)."""
+    if not result["gpu_images"]["measured"]:
+        return []
+    classes = {name: (a["rates"]["cpu 1 thread"]["median"],
+                      {b: a["rates"][f"gpu batch {b}"]["median"] for b in GPU_BATCHES})
+               for name, a in result["images"].items()}
+    return [("crossover", plots.crossover(classes, "images/s"),
+             f"JPEG decode rate of the GPU ({result['accelerator']}) at each batch size against "
+             "one CPU core (dashed, same colour), per size class; medians of the repetitions. "
+             "Where a solid line is above its dashed one, the GPU beats a core.")]
+
+
+def page(result: dict) -> Page:
+    """The report a reader opens: the crossover plot where measured, then the tables."""
+    p = Page("Decode rates: CPU and GPU, and the crossover")
+    for note in _not_measured(result):
+        p.alert(note)
+    for name, fig, caption in figures(result):
+        p.plot(name, fig, caption)
+    p.heading("JPEG images (images/s)")
+    p.table(IMAGE_HEADER, _image_rows(result))
+    p.heading("Video clips, 16 frames every 2nd (clips/s)")
+    if result["videos"]:
+        p.table(VIDEO_HEADER, _video_rows(result))
+    p.text(READING)
+    p.text(_setup(result))
+    return p
+
+
+def report(result: dict) -> str:
+    """The Markdown export."""
+    def table(header, rows):
+        return (["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+                + ["| " + " | ".join(r) + " |" for r in rows])
+
+    images_note, video_note = [], []
+    for note in _not_measured(result):
+        (images_note if note.startswith("nvJPEG") else video_note).append(note)
+    lines = ["# Decode rates: CPU and GPU, and the crossover", "", _setup(result), "",
+             "## JPEG images (images/s)", "", *table(IMAGE_HEADER, _image_rows(result))]
+    lines += ["", *images_note, "", "## Video clips, 16 frames every 2nd (clips/s)", ""]
+    if result["videos"]:
+        lines += table(VIDEO_HEADER, _video_rows(result))
+    lines += ["", *video_note, "", READING]
     return "\n".join(lines) + "\n"
 
 
@@ -286,7 +339,7 @@ def main(argv=None) -> int:
                         "script's own plumbing, its 'GPU' figures then being CPU ones")
     args = options.parse(p, argv, {"images": 40, "videos": 3, "reps": 2, "min_seconds": 0.1})
     result = run(args)
-    save(args.out, "decode_rates", result, report(result))
+    save(args.out, "decode_rates", result, report(result), page(result))
     return 0
 
 

@@ -67,7 +67,7 @@ def system_busy_s() -> float:
     return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
 
-class _CpuMeter:
+class CpuMeter:
     def __init__(self) -> None:
         self.tree0 = tree_cpu_s()
         self.system0 = system_busy_s()
@@ -198,7 +198,7 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, probe_s: fl
     something else (a test suite, a build) is running on a small machine."""
     waited = 0.0
     while True:
-        meter = _CpuMeter()
+        meter = CpuMeter()
         time.sleep(probe_s)
         cpu = meter.stop()
         others = max(0.0, cpu["system_busy_s"] - cpu["tree_cpu_s"]) / probe_s
@@ -208,7 +208,7 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, probe_s: fl
                     "other_processes_cpu_cores_before_start": others}
 
 
-def _wait_for_children(timeout: float = 10.0) -> int:
+def wait_for_children(timeout: float = 10.0) -> int:
     """Wait until this process has no live descendants (the last loader's workers); return how
     many were still alive at the deadline."""
     from multiprocessing import forkserver, resource_tracker
@@ -240,7 +240,7 @@ class _Window:
     batches: int = 0
     samples: int = 0
     nbytes: int = 0
-    cpu: _CpuMeter | None = None
+    cpu: CpuMeter | None = None
 
     def add(self, samples: int, nbytes: int, on_first: Callable[[], None] | None = None) -> bool:
         """Account one consumed batch; True when the window is complete. ``on_first`` runs after
@@ -252,7 +252,7 @@ class _Window:
             if on_first is not None:
                 on_first()
         if self.batches_seen == self.warm_batches:
-            self.cpu = _CpuMeter()
+            self.cpu = CpuMeter()
             self.start = time.perf_counter()
             return False
         if self.start is None:
@@ -296,7 +296,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
     docstring); otherwise the loop runs as fast as the loader delivers and drops each batch
     right after consuming it. ``pss_max_duty``: see :class:`PssSampler`."""
     gc.collect()
-    leftover = _wait_for_children()
+    leftover = wait_for_children()
     sampler = None
     baseline = None
     if sample_pss:
@@ -342,7 +342,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
     start = time.perf_counter()
     del iterator, loader
     gc.collect()
-    still_alive = _wait_for_children()
+    still_alive = wait_for_children()
     result.update(
         teardown_s=time.perf_counter() - start,
         workers_alive_after_teardown=still_alive,

@@ -1,23 +1,109 @@
-"""Readable tables of a results dict: plain text for the terminal, Markdown for the record."""
+"""Readable reports of a results dict: plain text for the terminal, an HTML page for a reader
+(``write_html``), Markdown as a second export; and the busy-machine notes every bench part
+shares."""
 
 from __future__ import annotations
 
+import os
+import time
+
+import psutil
+
 from . import stats
+from .harness import system_busy_s
 from .workloads import CONSUMERS
 
+BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
 
-def save(out: str, stem: str, result: dict, text: str) -> None:
-    """Write ``<stem>.json`` (every figure) and ``<stem>.md`` (the report) into ``out``, and
-    print the report: how every bench command leaves its result."""
+
+def save(out: str, stem: str, result: dict, text: str, page=None) -> None:
+    """Write ``<stem>.json`` (every figure), ``<stem>.md`` (the report in Markdown) and, given
+    a ``page.Page``, ``report.html`` (the report a reader opens) into ``out``, and print the
+    Markdown: how every bench command leaves its result."""
     import json
-    import os
 
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(text if text.endswith("\n") else text + "\n")
+    if page is not None:
+        page.write(os.path.join(out, "report.html"))
     print(text)
+
+
+def called(finding: dict) -> str:
+    """A finding's call as every page and export words it."""
+    return f"Call: **{finding['call']}** ({finding['label']})."
+
+
+def save_study(out: str, stem: str, result: dict, title: str, header: list[str],
+               rows: list[list[str]], notes: list[str], figures: list[tuple]) -> None:
+    """A study's result: ``<stem>.json``; ``report.html``, the page a reader opens (the
+    finding and its call at the top, busy-machine alerts beside them, the plots, the table,
+    the notes); ``<stem>.md``, the same in Markdown without the plots."""
+    from .page import Page
+
+    f = result["finding"]
+    page = Page(title)
+    page.answer([f["text"], called(f)])
+    for note in result["busy"]:
+        page.alert(note)
+    for name, fig, caption in figures:
+        page.plot(name, fig, caption)
+    page.table(header, rows)
+    for line in notes:
+        page.text(line)
+    md = [f"# {title}", "", f["text"], "", called(f), "",
+          *[f"**{note}**\n" for note in result["busy"]],
+          "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+          *["| " + " | ".join(r) + " |" for r in rows], "", "\n\n".join(notes)]
+    save(out, stem, result, "\n".join(md), page)
+
+
+def tree_cpu_s(root: int | None = None) -> float:
+    """User + system CPU seconds of a process tree (this process's, or ``root``'s), the
+    children it has reaped included: workers that ended during a repetition still count as
+    its own, not as another process's."""
+    top = psutil.Process(root)
+    total = 0.0
+    for proc in [top, *top.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+class OtherCores:
+    """``with OtherCores() as o: ...``; then ``o.cores``: the cores processes outside this
+    tree (or ``root``'s) used meanwhile, on average. On a small machine one busy core slows
+    every arm, so a repetition run that way is flagged, not silently averaged in."""
+
+    def __init__(self, root: int | None = None):
+        self.root, self.cores = root, None
+
+    def __enter__(self):
+        self._t0, self._sys0 = time.perf_counter(), system_busy_s()
+        self._tree0 = tree_cpu_s(self.root)
+        return self
+
+    def __exit__(self, *exc):
+        seconds = time.perf_counter() - self._t0
+        others = (system_busy_s() - self._sys0) - (tree_cpu_s(self.root) - self._tree0)
+        self.cores = max(0.0, others) / seconds if seconds > 0 else None
+
+
+def busy_notes(what: str, cores: list[float | None]) -> list[str]:
+    """[] on a quiet run; else one sentence for the page's top: how many of the timed
+    repetitions ran while other processes used more than BUSY_CORES."""
+    busy = [c for c in cores if c is not None and c > BUSY_CORES]
+    if not busy:
+        return []
+    return [f"{what}: {len(busy)} of {len(cores)} timed repetitions ran while other processes "
+            f"used more than {BUSY_CORES:g} cores (up to {max(busy):.2f}): its figures may be "
+            "lower and more spread than on a quiet machine."]
 
 
 def method(consume: str) -> dict:
@@ -354,3 +440,96 @@ def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoad
         out += ["", f"## {case['name']}", "", _case_title(case), "", _table(_rows(case), markdown=True), ""]
         out += [f"- {n}" for n in _notes(case)]
     return "\n".join(out) + "\n"
+
+
+def finding(results: dict) -> dict | None:
+    """The loader part's answer for a reader, from its first case (transport when it ran):
+    fastmm's samples/s against torch's, paired per repetition, with the call that interval
+    supports (``stats.decision``; both loaders' first batches must agree)."""
+    if not results["cases"]:
+        return None
+    case, *others = results["cases"]
+    s = case["summary"]
+    arms = s["arms"]
+    call, label = stats.decision(s["paired_ratios_fastmm_over_torch"],
+                                 ok=s["first_batch_identical"])
+    first = {n: arms[n]["first_batch_s"]["median"] for n in ("fastmm", "torch")
+             if arms[n]["first_batch_s"]}
+    text = (f"{case['name']} (batch {case['batch_size']}, {case['num_workers']} workers): "
+            f"fastmm {stats.interval(s['paired_ratios_fastmm_over_torch'], 2, 'x')} torch's "
+            "samples/s (paired per repetition)"
+            + (f"; first batch in {first['fastmm']:.2f} s (torch {first['torch']:.2f} s)"
+               if len(first) == 2 else "") + ".")
+    paced = (s.get("memory") or {}).get("paced")
+    if paced and paced["paired_ratios_over_baseline"]:
+        text += (" Peak memory over idle, paced (PSS), fastmm over torch: "
+                 f"{stats.interval(paced['paired_ratios_over_baseline'], 2, 'x')}"
+                 + ("" if paced.get("conclusive", True) else
+                    " (inconclusive: a loader did not keep pace)") + ".")
+    if others:
+        text += " Also: " + "; ".join(
+            f"{c['name']} {stats.interval(c['summary']['paired_ratios_fastmm_over_torch'], 2, 'x')}"
+            for c in others) + "."
+    return {"text": text, "call": call, "label": label}
+
+
+def busy(results: dict) -> list[str]:
+    """The busy-machine notes of a fastmm-bench run, one per case that had busy repetitions."""
+    notes = []
+    for case in results["cases"]:
+        cores = [r["other_processes_cpu_cores"] for a in case["arms"].values()
+                 for r in a["reps"] if r["phase"] == "timed"]
+        notes += busy_notes(f"loader, {case['name']}", cores)
+    return notes
+
+
+def figures(results: dict) -> list[tuple]:
+    """(name, Figure, caption) per case: every arm's samples/s with its interval."""
+    from . import plots
+
+    out = []
+    for case in results["cases"]:
+        arms = case["summary"]["arms"]
+        out.append((f"rates-{case['name']}",
+                    plots.rates([(n, a["samples_per_s"]) for n, a in arms.items()], "samples/s"),
+                    f"{_case_title(case)}. Bars: median samples/s of the timed repetitions; "
+                    "whiskers: " + stats.CI_METHOD + "."))
+    return out
+
+
+def write_html(results: dict, out: str) -> str:
+    """``report.html`` in ``out``: the answer, then per case its table, plot and notes."""
+    from .page import Page
+
+    env, st = results["environment"], results["settings"]
+    page = Page("fastmm-bench: torch's DataLoader and fastmm's, side by side")
+    f = finding(results)
+    if f:
+        page.answer([f["text"], called(f)])
+    if results.get("interrupted"):
+        page.alert(f"Interrupted {results['interrupted']}: the cases below are the ones that "
+                   "finished.")
+    for note in busy(results):
+        page.alert(note)
+    git = env["git"]
+    page.text(f"Command: `{env['command']}`; commit `{git['commit'] or 'unknown'}`"
+              + (" (with uncommitted changes)" if git.get("dirty") else "")
+              + f"; {env['timestamp_utc']}; total {results.get('total_s', 0):.0f} s.")
+    page.text(f"Machine: {env['cpu_model']}, {env['cpu_count_usable']} usable cores, "
+              f"{env['ram_total_bytes'] / 2**30:.1f} GiB RAM; Python {env['python']}, torch "
+              f"{env['versions']['torch']}; fastmm C++ path: {env['fastmm_uses_cpp']}.")
+    page.text(f"Method: {st['reps']} timed repetitions per arm (>= {st['min_seconds']} s each) "
+              "after one untimed warm-up, interleaved, a fresh loader each; "
+              f"{st['mem_reps']} full-speed and paced memory repetitions per loader; loop "
+              f"consumer: {CONSUMERS[st['consume']][1]}. Intervals: {stats.CI_METHOD}.")
+    figs = {name: (fig, caption) for name, fig, caption in figures(results)}
+    for case in results["cases"]:
+        page.heading(case["name"])
+        page.text(_case_title(case))
+        page.table(HEADER, _rows(case))
+        fig, caption = figs[f"rates-{case['name']}"]
+        page.plot(f"rates-{case['name']}", fig, caption)
+        page.items(_notes(case))
+    page.text("Every repetition's figures: `results.json`; the same report in Markdown: "
+              "`summary.md`.")
+    return page.write(os.path.join(out, "report.html"))

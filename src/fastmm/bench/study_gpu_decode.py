@@ -28,12 +28,12 @@ import torch
 from torch.utils.data import Dataset
 
 from ..telemetry import Telemetry
-from . import env, harness, options, stats
+from . import env, harness, options, plots, stats
 from .corpus import default_cache_dir
-from .experiment import ModelStep
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, _files, ensure_mmcorpus
-from .report import save
+from .report import OtherCores, busy_notes, save_study
+from .workloads import ModelStep
 
 
 class Decoded(Dataset):
@@ -250,7 +250,9 @@ def run(args) -> dict:
     results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
     for r in range(args.reps):
         for arm, compute in harness.rotated(list(arms), r):
-            fig = run_arm(arm, steps[compute], paths, args, order)
+            with OtherCores() as others:
+                fig = run_arm(arm, steps[compute], paths, args, order)
+            fig["other_processes_cpu_cores"] = others.cores
             results[f"{arm} / model {compute}"].append(fig)
             print(f"[gpu-decode] rep {r + 1}/{args.reps} {arm} / model {compute}: "
                   f"{fig['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
@@ -269,49 +271,118 @@ def run(args) -> dict:
             "gpu_idle_fraction": (None if compute != "cuda" else
                                   stats.summarize([f["gpu_idle_fraction"] for f in figs])),
         }
+        cpu = results.get(f"cpu-decode / model {compute}")
+        if not name.startswith("cpu-decode") and cpu:  # paired by round with CPU decode
+            out_arms[name]["vs_cpu_decode"] = stats.summarize(stats.paired_ratios(
+                [f["samples_per_s"] for f in figs], [f["samples_per_s"] for f in cpu]))
     if not cuda:
         for arm in GPU_ARMS:
             out_arms[f"{arm} / model cuda"] = {"measured": False,
                                                "why": "no CUDA device on this machine"}
     out_arms["gpu-decode (DALI mixed) / model cuda"] = {
         "measured": False, "why": "DALI's GPU decoder is not in this study yet"}
-    return {"environment": env.capture(env.module_argv(__spec__, __name__),
-                                       loader_config={"batch_size": args.batch,
-                                                      "num_workers": args.num_workers},
-                                       paths=[args.cache_dir]),
-            "images": len(paths), "batch": args.batch, "compute_ms": args.compute_ms,
-            "arms": out_arms}
+    result = {"environment": env.capture(env.module_argv(__spec__, __name__),
+                                         loader_config={"batch_size": args.batch,
+                                                        "num_workers": args.num_workers},
+                                         paths=[args.cache_dir]),
+              "images": len(paths), "batch": args.batch, "compute_ms": args.compute_ms,
+              "arms": out_arms,
+              "busy": busy_notes("gpu-decode", [f["other_processes_cpu_cores"]
+                                                for figs in results.values() for f in figs])}
+    result["finding"] = finding(result)
+    return result
 
 
-def report(result: dict) -> str:
-    e = result["environment"]
-    gpus = ", ".join(d["name"] for d in e["gpus"]["devices"]) or "none"
-    lines = ["# Study 2: GPU decode placement", "",
-             f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
-             f"{e['cpu_count_usable']} cores; GPU: {gpus}.", "",
-             f"{result['images']} JPEGs, RandomResizedCrop({SIZE}) + flip, batch {result['batch']}"
-             f"; model step {result['compute_ms']} ms alone.", "",
-             "| arm | samples/s end to end | model step alone | model step (slowdown) | "
-             "loop step p50 | data wait p50 | GPU idle |", "|---|---|---|---|---|---|---|"]
+def finding(result: dict) -> dict:
+    """Where a GPU was measured: decode ahead on the GPU against decode in the CPU workers,
+    end to end on the step (``stats.decision`` on the paired ratio). Without one: what the CPU
+    arms showed, and "undecided", since the question was not measured."""
+    arms = result["arms"]
+    gpu = arms.get("gpu-decode ahead / model cuda", {})
+    if gpu.get("measured"):
+        inline = arms["gpu-decode inline / model cuda"]
+        call, label = stats.decision(gpu["vs_cpu_decode"])
+        text = (f"With a {result['compute_ms']:g} ms model step on the GPU, decoding on the GPU "
+                f"ahead of the step gave {stats.interval(gpu['vs_cpu_decode'], 2, 'x')} the "
+                "end-to-end samples/s of decoding in the CPU workers, and decoding inline "
+                f"{stats.interval(inline['vs_cpu_decode'], 2, 'x')}; the model step took "
+                f"{gpu['model_step_s']['median'] / gpu['model_step_s_alone']:.2f}x its time "
+                "alone with decode ahead beside it.")
+        return {"text": text, "call": call, "label": f"gpu-decode ahead: {label}"}
+    sleep, cpu = arms.get("cpu-decode / model sleep"), arms.get("cpu-decode / model cpu")
+    text = f"GPU decode not measured: {gpu.get('why', 'no GPU arm ran')}."
+    if sleep and cpu:
+        text += (f" CPU decode in the workers kept a {result['compute_ms']:g} ms step that "
+                 f"leaves the host idle (as a GPU step does) at "
+                 f"{stats.interval(sleep['samples_per_s'], 0, ' samples/s')}, waiting "
+                 f"{sleep['data_wait_p50_s']['median'] * 1e3:.1f} ms for data (p50); beside a "
+                 f"CPU matmul step that competes for the cores, the step took "
+                 f"{cpu['model_step_s']['median'] * 1e3:.1f} ms against "
+                 f"{cpu['model_step_s_alone'] * 1e3:.1f} ms alone "
+                 f"({cpu['model_step_s']['median'] / cpu['model_step_s_alone']:.2f}x; "
+                 f"{stats.interval(cpu['samples_per_s'], 0, ' samples/s')}).")
+    label = "the GPU arms were not measured here" + (
+        f"; CPU decode {stats.interval(sleep['samples_per_s'], 0, ' samples/s')}" if sleep else "")
+    return {"text": text, "call": "undecided", "label": label}
+
+
+def figures(result: dict) -> list[tuple]:
+    """(name, Figure, caption): each measured arm's end-to-end samples/s; on a GPU also the
+    GPU arms' ratio to CPU decode (the crossover, where it was measured)."""
+    measured = [(k, a) for k, a in result["arms"].items() if a["measured"]]
+    out = [("rates", plots.rates([(k, a["samples_per_s"]) for k, a in measured],
+                                 "samples/s end to end"),
+            "End-to-end samples/s of each measured arm (data, decode, model step): median and "
+            "interval over the repetitions (" + stats.CI_METHOD + ").")]
+    ratios = [(k, a["vs_cpu_decode"]) for k, a in measured if a.get("vs_cpu_decode")]
+    if ratios:
+        out.append(("vs-cpu-decode", plots.rates(ratios, "samples/s, ratio to CPU decode",
+                                                 ref=1.0),
+                    "GPU decode over CPU decode, paired by round: above the dotted line the GPU "
+                    "placement is faster end to end."))
+    return out
+
+
+TITLE = "Study 2: GPU decode placement"
+HEADER = ["arm", "samples/s end to end", "model step alone", "model step (slowdown)",
+          "loop step p50", "data wait p50", "GPU idle", "vs CPU decode"]
+
+
+def _rows(result: dict) -> list[list[str]]:
+    rows = []
     for name, a in result["arms"].items():
         if not a["measured"]:
-            lines.append(f"| {name} | not measured: {a['why']} | | | | | |")
+            rows.append([name, f"not measured: {a['why']}", "", "", "", "", "", ""])
             continue
-        s, w, st, ms = a["samples_per_s"], a["data_wait_p50_s"], a["loop_step_s"], a["model_step_s"]
+        w, st, ms = a["data_wait_p50_s"], a["loop_step_s"], a["model_step_s"]
         alone, gi = a["model_step_s_alone"], a["gpu_idle_fraction"]
-        lines.append(f"| {name} | {s['median']:.1f} [{s['ci_low']:.1f}-{s['ci_high']:.1f}] | "
-                     f"{alone * 1e3:.1f} ms | {ms['median'] * 1e3:.1f} ms "
-                     f"({ms['median'] / alone if alone else float('nan'):.2f}x) | "
-                     f"{st['median'] * 1e3:.1f} ms | "
-                     f"{w['median'] * 1e3:.1f} ms | "
-                     f"{'-' if gi is None else format(gi['median'], '.0%')} |")
-    lines += ["", "Model step: its own time (CUDA events on the GPU, the host's clock otherwise), "
-              "median of the repetitions' medians; the slowdown is against the model alone, "
-              "i.e. what sharing the device with decode costs it. Data wait: from the end of "
-              "one step until the next batch is ready on the GPU (inline: the loader's batch "
-              "and its decode). GPU idle: the telemetry's, 1 - the steps' GPU time / the "
-              "loop's wall time (loader start included)."]
-    return "\n".join(lines) + "\n"
+        rows.append([name, stats.interval(a["samples_per_s"], 1), f"{alone * 1e3:.1f} ms",
+                     f"{ms['median'] * 1e3:.1f} ms "
+                     f"({ms['median'] / alone if alone else float('nan'):.2f}x)",
+                     f"{st['median'] * 1e3:.1f} ms", f"{w['median'] * 1e3:.1f} ms",
+                     "-" if gi is None else format(gi["median"], ".0%"),
+                     stats.interval(a.get("vs_cpu_decode"), 2, "x")])
+    return rows
+
+
+def _setup(result: dict) -> list[str]:
+    e = result["environment"]
+    gpus = ", ".join(d["name"] for d in e["gpus"]["devices"]) or "none"
+    return [
+        f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
+        f"{e['cpu_count_usable']} cores; GPU: {gpus}.",
+        f"{result['images']} JPEGs, RandomResizedCrop({SIZE}) + flip, batch {result['batch']}; "
+        f"model step calibrated to {result['compute_ms']:g} ms (its measured time alone is in "
+        f"the table). Intervals: {stats.CI_METHOD}.",
+    ]
+
+
+NOTES = ("Model step: its own time (CUDA events on the GPU, the host's clock otherwise), "
+         "median of the repetitions' medians; the slowdown is against the model alone, i.e. "
+         "what sharing the device with decode costs it. Data wait: from the end of one step "
+         "until the next batch is ready on the GPU (inline: the loader's batch and its decode). "
+         "GPU idle: the telemetry's, 1 - the steps' GPU time / the loop's wall time (loader "
+         "start included).")
 
 
 @options.command
@@ -323,7 +394,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=options.whole(1), default=32)
     p.add_argument("--num-workers", type=options.whole(1), default=2)
     p.add_argument("--compute-ms", type=options.number(0, above=False), default=40.0)
-    p.add_argument("--reps", type=options.whole(1), default=5)
+    p.add_argument("--reps", type=options.whole(1), default=6,
+                   help="repetitions, interleaved (default 6, the fewest that give a 95%% CI)")
     p.add_argument("--warmup-batches", type=options.whole(0), default=2)
     p.add_argument("--batches", type=options.whole(1), default=30)
     p.add_argument("--seed", type=options.whole(0), default=0)
@@ -331,7 +403,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run")
     args = options.parse(p, argv, {"images": 64, "batch": 8, "batches": 3, "warmup_batches": 1})
     result = run(args)
-    save(args.out, "gpu_decode", result, report(result))
+    save_study(args.out, "gpu_decode", result, TITLE, HEADER, _rows(result),
+               _setup(result) + [NOTES], figures(result))
     return 0
 
 

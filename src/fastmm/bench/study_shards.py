@@ -5,14 +5,14 @@ data layout; decode (torchvision backend, fast path, 224 px), sampler (fastmm.Di
 seed 0), batch and workers are the same. Every rank all-reduces each step, as training would.
 
 Reported per layout and world size, over ``--reps`` repetitions run interleaved (every
-configuration once per round): per-rank throughput (median over ranks) with its median and 95%
-CI over the repetitions, its ratio to the file-per-sample layout at the same world size (paired
-by round), the slowest rank against the fastest, startup (opening the layout to its first batch),
-staging cost where staged, and whether every rank yielded the same number of batches. One
-torchrun job per world size reads every round's layouts in turn, the ranks starting each layout
-together; its processes' start (imports and rendezvous, the same for every layout) is reported
-once. Run: ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a
-smoke run).
+configuration once per round): per-rank throughput (median over ranks) with its median and
+interval over the repetitions (a 95% CI from 6 of them: ``stats``), its ratio to the
+file-per-sample layout at the same world size (paired by round), the slowest rank against the
+fastest, startup (opening the layout to its first batch), staging cost where staged, and
+whether every rank yielded the same number of batches. One torchrun job per world size reads
+every round's layouts in turn, the ranks starting each layout together; its processes' start
+(imports and rendezvous, the same for every layout) is reported once. Run:
+``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import sys
 import tempfile
 import time
 
-from . import env, harness, options, stats
+from . import env, harness, options, plots, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
-from .report import save
+from .report import OtherCores, busy_notes, save_study
 
 
 def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None:
@@ -49,9 +49,11 @@ def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None
     read_layout(name, path, os.path.join(out, "stage-warm-up"), batch, workers, 1)
     for done, (rep, name, path) in enumerate(runs, 1):
         dist.barrier()
-        run = {"rep": rep, "layout": name,
-               **read_layout(name, path, os.path.join(out, f"stage-{rep}"), batch, workers,
-                             epochs)}
+        # the whole job is under torchrun's agent (this rank's parent): its CPU is not "other"
+        with OtherCores(root=os.getppid()) as others:
+            figs = read_layout(name, path, os.path.join(out, f"stage-{rep}"), batch, workers,
+                               epochs)
+        run = {"rep": rep, "layout": name, **figs, "other_processes_cpu_cores": others.cores}
         figures["runs"].append(run)
         if rank == 0:
             print(f"[shards] world {world}: {done}/{len(runs)} round {rep + 1} {name}: "
@@ -152,6 +154,7 @@ def run_job(plan: list, world: int, work: str, args) -> dict:
             "startup_s": stats.summarize([r["epochs"][0]["first_batch_s"] for r in runs])["median"],
             "equal_batches": len({e["batches"] for r in runs for e in r["epochs"]}) == 1,
             "batches_per_epoch": runs[0]["epochs"][-1]["batches"],
+            "other_processes_cpu_cores": runs[0]["other_processes_cpu_cores"],  # rank 0's view
         }
         if "staging_cost" in runs[0]:
             figures[rep, name]["staging_s"] = max(r["staging_cost"]["seconds"] for r in runs)
@@ -204,43 +207,92 @@ def run(args) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = {key: summarize_runs(key, figs, runs) for key, figs in runs.items()}
-    return {"environment": env.capture(env.module_argv(__spec__, __name__),
-                                       loader_config={"batch_size": args.batch,
-                                                      "num_workers": args.num_workers},
-                                       paths=[args.work_dir or tempfile.gettempdir()]),
-            "images": args.images, "epochs": args.epochs, "reps": args.reps,
-            "process_ready_s": ready, "results": results}
+    result = {"environment": env.capture(env.module_argv(__spec__, __name__),
+                                         loader_config={"batch_size": args.batch,
+                                                        "num_workers": args.num_workers},
+                                         paths=[args.work_dir or tempfile.gettempdir()]),
+              "images": args.images, "epochs": args.epochs, "reps": args.reps,
+              "process_ready_s": ready, "results": results,
+              "busy": busy_notes("shards", [f.get("other_processes_cpu_cores")
+                                            for figs in runs.values() for f in figs
+                                            if "error" not in f])}
+    result["finding"] = finding(result)
+    return result
 
 
-def report(result: dict) -> str:
+def finding(result: dict) -> dict:
+    """Each layout's per-rank rate against a file per sample, at every world size; the call
+    is ``stats.decision``'s on the first shard layout at the largest world size (closest to a
+    real job), rolled back if its ranks did not all yield the same number of batches."""
+    ok = {k: r for k, r in result["results"].items() if "error" not in r}
+    worlds = sorted({int(k.rsplit(" ", 1)[1]) for k in ok}, reverse=True)
+    if not worlds:
+        return {"text": "Every torchrun job failed: nothing measured.", "call": "undecided",
+                "label": "not measured: the jobs failed"}
+    sentences = []
+    for w in worlds:
+        rows = [(k.split(" / ")[0], r) for k, r in ok.items()
+                if k.endswith(f" / world {w}") and not k.startswith("files ")]
+        sentences.append(f"at world size {w}, " + "; ".join(
+            f"{layout} {stats.interval(r['vs_files'], 2, 'x')}" for layout, r in rows))
+    text = ("Per-rank samples/s against a file per sample (torchrun, every rank on this "
+            "machine's cores): " + "; ".join(sentences) + ".")
+    top = next((k for k in ok if k.startswith("shards-") and k.endswith(f" / world {worlds[0]}")),
+               None)
+    if top is None:
+        return {"text": text, "call": "undecided", "label": "no shard layout measured"}
+    call, label = stats.decision(ok[top]["vs_files"], ok=ok[top]["equal_batches"])
+    return {"text": text, "call": call, "label": f"{top}: {label}"}
+
+
+def figures(result: dict) -> list[tuple]:
+    """(name, Figure, caption): per-rank rates per layout and world size, and their ratio to a
+    file per sample."""
+    ok = [(k, r) for k, r in result["results"].items() if "error" not in r]
+    return [
+        ("per-rank-rates", plots.rates([(k, r["per_rank_samples_per_s"]) for k, r in ok],
+                                       "samples/s per rank (median over ranks)"),
+         "Per-rank samples/s of each layout at each world size: median and interval over the "
+         "repetitions (" + stats.CI_METHOD + ")."),
+        ("vs-files", plots.rates([(k, r["vs_files"]) for k, r in ok if not k.startswith("files ")],
+                                 "per-rank samples/s, ratio to a file per sample", ref=1.0),
+         "Each layout's per-rank rate over a file per sample's at the same world size, paired "
+         "by round; the dotted line is parity."),
+    ]
+
+
+def _setup(result: dict) -> list[str]:
     e = result["environment"]
-    lines = ["# Study 3: sharded storage in distributed training", "",
-             f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
-             f"{e['cpu_count_usable']} cores (every rank of every world size shares them).", "",
-             f"{result['images']} images; figures from the last of {result['epochs']} epochs "
-             f"(startup from the first); {result.get('reps', 1)} repetitions, interleaved; "
-             "median [95% CI] over them. Startup: opening the layout to its first batch; "
-             "before that, each world size's ranks took "
-             + (", ".join(f"{s:.1f} s at {w}" for w, s in result.get("process_ready_s", {}).items())
-                or "-")
-             + " from process start to a ready process group (imports, rendezvous).", "",
-             "| layout / world | samples/s per rank | vs files | slowest / fastest | "
-             "startup s | staging s | equal batches |", "|---|---|---|---|---|---|---|"]
+    return [
+        f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
+        f"{e['cpu_count_usable']} cores (every rank of every world size shares them).",
+        f"{result['images']} images; figures from the last of {result['epochs']} epochs "
+        f"(startup from the first); {result.get('reps', 1)} repetitions, interleaved. "
+        f"Intervals: {stats.CI_METHOD}. Startup: opening the layout to its first batch; before "
+        "that, each world size's ranks took "
+        + (", ".join(f"{s:.1f} s at {w}" for w, s in result.get("process_ready_s", {}).items())
+           or "-")
+        + " from process start to a ready process group (imports, rendezvous).",
+    ]
 
-    def ci(s, fmt=".1f", unit=""):
-        if s is None:
-            return "-"
-        return (f"{s['median']:{fmt}}{unit} [{s['ci_low']:{fmt}}-{s['ci_high']:{fmt}}]")
 
+TITLE = "Study 3: sharded storage in distributed training"
+HEADER = ["layout / world", "samples/s per rank", "vs files", "slowest / fastest", "startup s",
+          "staging s", "equal batches"]
+
+
+def _rows(result: dict) -> list[list[str]]:
+    rows = []
     for name, r in result["results"].items():
         if "error" in r:
-            lines.append(f"| {name} | FAILED | | | | | |")
+            rows.append([name, "FAILED", "", "", "", "", ""])
             continue
-        lines.append(f"| {name} | {ci(r['per_rank_samples_per_s'])} | "
-                     f"{ci(r['vs_files'], '.2f', 'x')} | {ci(r['slowest_over_fastest'], '.2f')} | "
-                     f"{ci(r['startup_s'], '.2f')} | {ci(r.get('staging_s'), '.2f')} | "
-                     f"{'yes' if r['equal_batches'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+        rows.append([name, stats.interval(r["per_rank_samples_per_s"], 1),
+                     stats.interval(r["vs_files"], 2, "x"),
+                     stats.interval(r["slowest_over_fastest"], 2),
+                     stats.interval(r["startup_s"], 2), stats.interval(r.get("staging_s"), 2),
+                     "yes" if r["equal_batches"] else "NO"])
+    return rows
 
 
 @options.command
@@ -260,7 +312,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=options.whole(1), default=16)
     p.add_argument("--num-workers", type=options.whole(1), default=1)
     p.add_argument("--epochs", type=options.whole(1), default=2)
-    p.add_argument("--reps", type=options.whole(1), default=5, help="repetitions, interleaved (default 5)")
+    p.add_argument("--reps", type=options.whole(1), default=6,
+                   help="repetitions, interleaved (default 6, the fewest that give a 95%% CI)")
     p.add_argument("--seed", type=options.whole(0), default=0)
     p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--work-dir", type=options.directory, default=None)
@@ -268,7 +321,8 @@ def main(argv=None) -> int:
     args = options.parse(p, argv, {"images": 48, "worlds": [2], "shard_bytes": [300_000, 2_000_000],
                                    "batch": 8, "reps": 2})
     result = run(args)
-    save(args.out, "shards", result, report(result))
+    save_study(args.out, "shards", result, TITLE, HEADER, _rows(result), _setup(result),
+               figures(result))
     return 0 if all("error" not in r for r in result["results"].values()) else 1
 
 

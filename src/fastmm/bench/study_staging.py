@@ -30,11 +30,11 @@ import zlib
 import torch
 from torch.utils.data import Dataset
 
-from . import env, options, stats
+from . import env, options, plots, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
-from .report import save
+from .report import OtherCores, busy_notes, save_study
 
 
 class _Bucket:
@@ -150,16 +150,18 @@ def run(args) -> dict:
         reps = []
         try:
             for r in range(args.reps):
-                in_place = epoch(server.url, paths, args)
-                stage_dir = os.path.join(work, f"stage-{r}")
-                t0 = time.perf_counter()
-                source = StagedSource(server.url, stage_dir, mode="before")
-                staging_s = time.perf_counter() - t0
-                drop_page_cache(source.stage_dir)
-                cold = epoch(source.stage_dir, paths, args)
-                warm = epoch(source.stage_dir, paths, args)
+                with OtherCores() as others:
+                    in_place = epoch(server.url, paths, args)
+                    stage_dir = os.path.join(work, f"stage-{r}")
+                    t0 = time.perf_counter()
+                    source = StagedSource(server.url, stage_dir, mode="before")
+                    staging_s = time.perf_counter() - t0
+                    drop_page_cache(source.stage_dir)
+                    cold = epoch(source.stage_dir, paths, args)
+                    warm = epoch(source.stage_dir, paths, args)
                 reps.append({"in_place": in_place, "staged_cold": cold, "staged_warm": warm,
-                             "staging_s": staging_s, "staging_cost": source.staging_cost})
+                             "staging_s": staging_s, "staging_cost": source.staging_cost,
+                             "other_processes_cpu_cores": others.cores})
                 shutil.rmtree(stage_dir)
                 print(f"[staging] rep {r + 1}/{args.reps}: in place {in_place['seconds']:.2f} s, "
                       f"staging {staging_s:.2f} s, staged epoch {cold['seconds']:.2f} s cold / "
@@ -173,7 +175,7 @@ def run(args) -> dict:
     staging = [x["staging_s"] for x in reps]
     break_even = [s / (i - c) if i > c else None for s, i, c in zip(staging, inp, cold)]
     digests = {x[k]["digest"] for x in reps for k in ("in_place", "staged_cold", "staged_warm")}
-    return {
+    result = {
         "environment": env.capture(env.module_argv(__spec__, __name__),
                                    loader_config={"batch_size": args.batch,
                                                   "num_workers": args.num_workers},
@@ -189,39 +191,85 @@ def run(args) -> dict:
         "break_even_epochs": stats.summarize(break_even),
         "correctness": {"check": "every epoch of both arms delivers byte-identical batches",
                         "ok": len(digests) == 1},
+        "busy": busy_notes("staging", [x["other_processes_cpu_cores"] for x in reps]),
         "reps": reps,
     }
+    result["finding"] = finding(result)
+    return result
 
 
-def report(result: dict) -> str:
-    s, d = result["slow_storage"], result["data"]
+def finding(result: dict) -> dict:
+    """The answer in two sentences and its call: staging is rolled out when the staged copy's
+    epochs are surely faster (``stats.decision`` on the paired throughput ratio) and every
+    epoch delivered the same bytes; the break-even says for which jobs it pays."""
+    ratio, be, s = (result["staged_over_in_place_throughput"], result["break_even_epochs"],
+                    result["slow_storage"])
+    call, label = stats.decision(ratio, ok=result["correctness"]["ok"])
+    text = (f"Epochs read from the staged local copy ran {stats.interval(ratio, 2, 'x')} as fast "
+            f"as reading in place from {s['mb_per_s']:g} MB/s storage with {s['latency_ms']:g} "
+            f"ms a request ({result['in_place_epoch_s']['median']:.1f} s against "
+            f"{result['staged_epoch_s_cold']['median']:.1f} s an epoch). ")
+    if be and be["n"] == ratio["n"]:
+        text += (f"Staging took {stats.interval(result['staging_s'], 1, ' s')}, so it pays for "
+                 f"itself after {stats.interval(be, 1, ' epochs')}.")
+    else:
+        text += "Staging does not pay for itself: the staged copy was not always read faster."
+    return {"text": text, "call": call, "label": label}
 
-    def f(x, unit="s", digits=2):
-        return (f"{x['median']:.{digits}f} {unit} [{x['ci_low']:.{digits}f}-"
-                f"{x['ci_high']:.{digits}f}]") if x else "-"
 
-    e = result["environment"]
-    return "\n".join([
-        "# Study 1: NVMe staging against reading in place", "",
+def figures(result: dict) -> list[tuple]:
+    """(name, Figure, caption): the break-even, and each arm's epoch time with its interval."""
+    med = {k: result[k]["median"] for k in ("in_place_epoch_s", "staging_s",
+                                              "staged_epoch_s_cold")}
+    return [
+        ("break-even", plots.break_even(med["in_place_epoch_s"], med["staging_s"],
+                                        med["staged_epoch_s_cold"]),
+         "Cumulative time against epochs, medians of the repetitions: reading in place from "
+         "the slow storage, and staging first then reading the local copy (page cache "
+         "dropped). Where the lines cross, staging has paid for itself."),
+        ("epoch-times", plots.rates([
+            ("epoch, in place", result["in_place_epoch_s"]),
+            ("staging (copy + verify)", result["staging_s"]),
+            ("epoch, staged copy, cold", result["staged_epoch_s_cold"]),
+            ("epoch, staged copy, warm", result["staged_epoch_s_warm"])], "seconds"),
+         "Seconds per epoch of each arm and of staging: median and interval over the "
+         "repetitions (" + stats.CI_METHOD + ")."),
+    ]
+
+
+HEADER = ["figure", "median [interval]"]
+ROWS = (("epoch reading in place", "in_place_epoch_s", " s", 2),
+        ("staging (copy + verify)", "staging_s", " s", 2),
+        ("epoch from the staged copy, page cache dropped", "staged_epoch_s_cold", " s", 2),
+        ("epoch from the staged copy, warm", "staged_epoch_s_warm", " s", 2),
+        ("per-epoch throughput, staged / in place", "staged_over_in_place_throughput", "x", 2),
+        ("break-even epochs (staging / epoch time saved)", "break_even_epochs", " epochs", 1))
+
+
+def _rows(result: dict) -> list[list[str]]:
+    return [[label, stats.interval(result[key], digits, unit)]
+            for label, key, unit, digits in ROWS]
+
+
+def _setup(result: dict) -> list[str]:
+    s, d, e = result["slow_storage"], result["data"], result["environment"]
+    return [
         f"Command: `{e['command']}`; fastmm commit `{e['git']['commit']}`; {e['cpu_model']}, "
         f"{e['cpu_count_usable']} cores; staging directory on "
-        + ", ".join(f"{p}: {m['device']} ({m['fstype']})" for p, m in e["storage"].items()), "",
+        + ", ".join(f"{p}: {m['device']} ({m['fstype']})" for p, m in e["storage"].items()),
         f"Slow storage: {s['kind']}, {s['mb_per_s']} MB/s shared, {s['latency_ms']} ms per "
         f"request. Data: {d['images']} images, {d['bytes'] / 1e6:.1f} MB. One factor: where the "
-        "bytes are read from; the same loader, decode, crops, order and seeds in both arms.", "",
-        "| figure | median [95% CI] |", "|---|---|",
-        f"| epoch reading in place | {f(result['in_place_epoch_s'])} |",
-        f"| staging (copy + verify) | {f(result['staging_s'])} |",
-        f"| epoch from the staged copy, page cache dropped | {f(result['staged_epoch_s_cold'])} |",
-        f"| epoch from the staged copy, warm | {f(result['staged_epoch_s_warm'])} |",
-        f"| per-epoch throughput, staged / in place | {f(result['staged_over_in_place_throughput'], 'x')} |",
-        f"| break-even epochs (staging / epoch time saved) | {f(result['break_even_epochs'], 'epochs')} |",
-        "", f"Correctness: {result['correctness']['check']}: "
-        f"{'ok' if result['correctness']['ok'] else 'FAILED'}.", "",
-        "Reading: staging pays for itself after the break-even number of epochs; below it, read in "
-        "place. The figure scales with the storage's bandwidth and latency (options "
-        "--mb-per-s, --latency-ms) and with how decode-bound the epoch is.",
-    ]) + "\n"
+        "bytes are read from; the same loader, decode, crops, order and seeds in both arms. "
+        f"Intervals: {stats.CI_METHOD}.",
+        f"Correctness: {result['correctness']['check']}: "
+        f"{'ok' if result['correctness']['ok'] else 'FAILED'}.",
+    ]
+
+
+TITLE = "Study 1: NVMe staging against reading in place"
+READING = ("Reading: staging pays for itself after the break-even number of epochs; below it, "
+           "read in place. The figure scales with the storage's bandwidth and latency (options "
+           "--mb-per-s, --latency-ms) and with how decode-bound the epoch is.")
 
 
 @options.command
@@ -234,14 +282,16 @@ def main(argv=None) -> int:
     p.add_argument("--latency-ms", type=options.number(0, above=False), default=5.0, help="per request")
     p.add_argument("--batch", type=options.whole(1), default=32)
     p.add_argument("--num-workers", type=options.whole(1), default=2)
-    p.add_argument("--reps", type=options.whole(1), default=5)
+    p.add_argument("--reps", type=options.whole(1), default=6,
+                   help="repetitions (default 6, the fewest that give a 95%% CI)")
     p.add_argument("--seed", type=options.whole(0), default=0)
     p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--work-dir", type=options.directory, default=None, help="where the staging copies go (local disk)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 48 images, 5 short reps")
+    p.add_argument("--quick", action="store_true", help="smoke run: 48 images, 6 short reps")
     args = options.parse(p, argv, {"images": 48, "mb_per_s": 40.0})
     result = run(args)
-    save(args.out, "staging", result, report(result))
+    save_study(args.out, "staging", result, TITLE, HEADER, _rows(result),
+               _setup(result) + [READING], figures(result))
     return 0
 
 

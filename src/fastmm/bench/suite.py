@@ -1,83 +1,177 @@
-"""The README's main job: every part of the bundled benchmark, short enough for a laptop, one
-index at the end. Parts (each its own process, its own environment record and report):
+"""The README's main job: every part of the bundled benchmark, short enough for a laptop, and
+one page at the end, ``index.html``: the answer at the top (fastmm against torch on this
+machine, each study's finding with its call), then a section per part with its key plots and a
+link to its own report. Parts (each its own process, its own environment record and report):
 
-1. ``loader``: torch's DataLoader and fastmm's side by side on the same Datasets (fastmm-bench:
-   transport-bound clips and a decode-bound JPEG Dataset; throughput, peak PSS, first batch);
-2. ``experiment``: the method on a training step (benchmarks/steps/image-224-small.toml):
-   environment, baseline profiled with the telemetry, single-factor A/B with CIs and
-   correctness, Markdown + HTML report;
+1. ``loader``: torch's DataLoader and fastmm's side by side on the same Dataset (fastmm-bench:
+   batches of clips from memory, where transport is the work; throughput, peak PSS, first
+   batch);
+2. ``pipeline``: a decode-bound image pipeline end to end on a training step, torch's loader
+   against fastmm's (fastmm-bench on examples/image_folder.py): the headline figures;
 3. ``staging``: study 1, NVMe staging against reading in place from throttled storage;
 4. ``gpu-decode``: study 2, decode in the CPU workers or on the GPU next to a model step (its
    GPU arms only where CUDA is);
 5. ``shards``: study 3, a file per sample against 1 MB tar shards and those shards staged,
-   5 interleaved rounds in real torchrun (gloo) jobs at world size 2 and 4 (8 and 64 MB shards
-   too when the study runs on its own: ``python -m fastmm.bench.study_shards``).
+   in real torchrun (gloo) jobs at world size 2 and 4.
 
-Run:
-``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a few minutes).
+Run: ``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a few minutes).
 """
 
 from __future__ import annotations
 
 import argparse
-import html
+import contextlib
+import dataclasses
+import importlib
+import json
 import os
 import subprocess
 import sys
 import time
 
-from . import options
-from .experiment import STEP
+from . import ab_page, options, plots, report, stats
 from .corpus import default_cache_dir
+from .page import Page
 
-PARTS = ("loader", "experiment", "staging", "gpu-decode", "shards")
-
-
-def parts(out: str, cache: str, quick: bool) -> list[tuple[str, list[str], str]]:
-    """(name, command, its report file) for every part."""
-    py = [sys.executable, "-m"]
-    # Sized so that the whole job stays well under 10 minutes on a 2-core machine, slow days
-    # included: 545 s on 2026-12-02 from an empty cache, a day this machine ran a Python loop
-    # 3-6x slower than on quiet ones, with the loader's transport-clone case (about 60 s; now
-    # left to the loader's own run). Each part's own default run is fuller: both transport
-    # cases, both decode batch sizes, 400 images to stage, three shard sizes.
-    loader = ["--quick"] if quick else ["--reps", "3", "--mem-reps", "2", "--min-seconds", "2",
-                                        "--clip-modes", "view", "--num-images", "600",
-                                        "--decode-batch-sizes", "32"]
-    staging = ["--quick"] if quick else ["--images", "240"]
-    gpu_decode = ["--quick"] if quick else []
-    shards = ["--quick"] if quick else ["--images", "160", "--shard-bytes", "1000000"]
-    return [
-        ("loader", py + ["fastmm.bench", "--out", os.path.join(out, "loader"),
-                         "--cache-dir", cache, *loader], os.path.join("loader", "summary.md")),
-        ("experiment", py + ["fastmm.bench.experiment", "--config", _step_path(quick, out),
-                             "--out", os.path.join(out, "experiment"), "--cache-dir", cache],
-         os.path.join("experiment", "report.html")),
-        ("staging", py + ["fastmm.bench.study_staging", "--out", os.path.join(out, "staging"),
-                          "--cache-dir", cache, *staging], os.path.join("staging", "staging.md")),
-        ("gpu-decode", py + ["fastmm.bench.study_gpu_decode", "--out",
-                             os.path.join(out, "gpu-decode"), "--cache-dir", cache, *gpu_decode],
-         os.path.join("gpu-decode", "gpu_decode.md")),
-        ("shards", py + ["fastmm.bench.study_shards", "--out", os.path.join(out, "shards"),
-                         "--cache-dir", cache, *shards], os.path.join("shards", "shards.md")),
-    ]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+EXAMPLE = os.path.join(REPO, "examples", "image_folder.py")
 
 
-def _step_path(quick: bool, out: str) -> str:
-    """The step config; for --quick, the smaller copy _write_quick_step makes."""
-    return os.path.join(out, "quick-step.toml") if quick else STEP
+@dataclasses.dataclass(frozen=True)
+class Part:
+    name: str
+    title: str
+    module: str  # run as ``python -m module``; its ``figures(result)`` gives the index's plots
+    results: str  # its JSON and its HTML report, relative to --out
+    report: str
 
 
-def _write_quick_step(out: str) -> None:
-    import tomllib
+PARTS = (
+    Part("pipeline", "End to end on a training step: an image pipeline", "fastmm.bench",
+         "pipeline/results.json", "pipeline/index.html"),
+    Part("loader", "Transport: batches of clips from memory", "fastmm.bench",
+         "loader/results.json", "loader/report.html"),
+    Part("staging", "Study 1: NVMe staging", "fastmm.bench.study_staging",
+         "staging/staging.json", "staging/report.html"),
+    Part("gpu-decode", "Study 2: GPU decode placement", "fastmm.bench.study_gpu_decode",
+         "gpu-decode/gpu_decode.json", "gpu-decode/report.html"),
+    Part("shards", "Study 3: sharded storage under torchrun", "fastmm.bench.study_shards",
+         "shards/shards.json", "shards/report.html"),
+)
+NAMES = ("loader", "pipeline", "staging", "gpu-decode", "shards")  # the order they run in
 
-    with open(STEP) as f:
-        text = f.read()
-    tomllib.loads(text)  # it must parse before numbers in it are edited
-    small = (text.replace("images = 400", "images = 64").replace("batches = 24", "batches = 4")
-             .replace("per_device_batch = 32", "per_device_batch = 8"))
-    with open(_step_path(True, out), "w") as f:
-        f.write(small)
+
+def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
+    """A part's command-line arguments. Sized so that the whole job stays under 10 minutes on
+    a 2-core machine with a margin for slow days, the headline figures with 6 repetitions (the
+    fewest that give a 95% CI). The defaults took 306 s here on 2026-12-05 (loader 84,
+    pipeline 77, staging 53, gpu-decode 33, shards 58), other jobs sharing the cores. Each
+    part's own default run is fuller (the loader's decode cases, 400 images to stage, three
+    shard sizes)."""
+    where = ["--out", os.path.join(out, name), "--cache-dir", cache]
+    if quick:
+        extra = ["--quick"]
+    else:
+        extra = {
+            # the decode case is left to the pipeline part, which measures one end to end
+            "loader": ["--workloads", "transport", "--clip-modes", "view", "--reps", "6",
+                       "--mem-reps", "1", "--min-seconds", "2"],
+            "pipeline": [],
+            "staging": ["--images", "160"],
+            "gpu-decode": [],
+            "shards": ["--images", "160", "--shard-bytes", "1000000"],
+        }[name]
+    if name == "pipeline":  # the lead's runner: a Dataset and a step from the examples
+        where = ["--dataset", f"{EXAMPLE}:dataset", "--step", f"{EXAMPLE}:train_step",
+                 "--batch-size", "32", "--num-workers", "2", "--out", os.path.join(out, name)]
+    return where + extra
+
+
+def _load(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _headline_plot(result: dict) -> list[tuple]:
+    """The pipeline's headline ratios (fastmm over torch) with their intervals."""
+    rows = [(h["what"], {"n": h["n"], "median": h["ratio"], "ci_low": h["ci"][0],
+                         "ci_high": h["ci"][1], "ci_level": h["ci_level"]})
+            for h in result["headline"]]
+    if not rows:
+        return []
+    return [("headline", plots.rates(rows, "fastmm over torch", ref=1.0),
+             "The headline figures, fastmm over torch: median and interval over the paired "
+             "repetitions; the dotted line is parity (samples/s: higher is better; memory and "
+             "time: lower is better).")]
+
+
+def findings(part: Part, result: dict, out: str) -> tuple[list[str], list[str], list[tuple]]:
+    """A part's (answer sentences, alerts, figures) for the index."""
+    if part.name == "pipeline":
+        return (list(result["answer"]), result["busy"] + result["alerts"],
+                _headline_plot(result) + ab_page.figures(result, os.path.join(out, "pipeline")))
+    if part.name == "loader":
+        found, busy, figures = report.finding(result), report.busy(result), report.figures(result)
+    else:
+        module = importlib.import_module(part.module)
+        found, busy, figures = result["finding"], result["busy"], module.figures(result)
+    said = ([f"**{part.title}**: {found['text']} Call: **{found['call']}** ({found['label']})."]
+            if found else [])
+    return said, busy, figures
+
+
+def index(out: str, ran: list[tuple[Part, int, float]], total_s: float) -> tuple[str, str]:
+    """Writes ``index.html`` (and ``index.md``, a second export); returns their paths."""
+    page = Page("fastmm against torch's DataLoader on this machine")
+    md = [f"# {page.title}", ""]
+    sections = []
+    for part, code, seconds in sorted(ran, key=lambda r: PARTS.index(r[0])):
+        result = _load(os.path.join(out, part.results))
+        alerts = [] if code == 0 else [
+            f"{part.name} failed (exit {code}) after {seconds:.0f} s"
+            + ("; its figures below come from what it wrote before failing." if result else
+               ": no figures from it; its output is in the console above.")]
+        said, figures = [], []
+        if result is not None:
+            try:
+                said, busy, figures = findings(part, result, out)
+                alerts += busy
+            except (KeyError, TypeError, ValueError, ImportError) as e:  # a part's JSON changed
+                alerts.append(f"{part.name}: its results could not be read ({type(e).__name__}: "
+                              f"{e}).")
+        page.answer(said)
+        for a in alerts:
+            page.alert(a)
+        md += [x + "\n" for x in [*said, *[f"**{a}**" for a in alerts]]]
+        sections.append((part, code, seconds, figures))
+    page.text(f"Intervals: {stats.CI_METHOD}. Calls: roll out only when the whole interval "
+              f"clears the {stats.ROLL_OUT_BAR - 1:.0%} roll-out bar and the output was checked "
+              "correct.")
+    there = {p.name: os.path.exists(os.path.join(out, p.report)) for p, *_ in sections}
+    rows = [[p.name, "ok" if c == 0 else f"failed ({c})", f"{s:.0f}",
+             f"[{p.report}]({p.report})" if there[p.name] else "-"] for p, c, s, _ in sections]
+    page.table(["part", "status", "seconds", "report"], rows)
+    page.text(f"Total {total_s:.0f} s. Each part records its own environment and command.")
+    md += [f"Intervals: {stats.CI_METHOD}.", "", "| part | status | seconds | report |",
+           "|---|---|---|---|", *["| " + " | ".join(r) + " |" for r in rows], "",
+           f"Total {total_s:.0f} s."]
+    for part, _, _, figures in sections:
+        page.heading(part.title)
+        for name, fig, caption in figures:
+            page.plot(f"{part.name}-{name}", fig, caption)
+        if there[part.name]:
+            page.link(part.report, f"The full report: {part.report}")
+    return (page.write(os.path.join(out, "index.html")),
+            _write(os.path.join(out, "index.md"), "\n".join(md) + "\n"))
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
 
 
 @options.command
@@ -87,37 +181,31 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=options.directory, default="bench-out")
     p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--quick", action="store_true", help="smoke run of every part")
-    p.add_argument("--only", type=options.listed(str, PARTS), default=",".join(PARTS),
-                   help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
+    p.add_argument("--only", type=options.listed(str, NAMES), default=",".join(NAMES),
+                   help=f"comma-separated subset of {','.join(NAMES)} (default: all)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    todo = [x for x in parts(args.out, args.cache_dir, args.quick) if x[0] in args.only]
-    if args.quick and "experiment" in args.only:
-        _write_quick_step(args.out)
-    results, t0 = [], time.perf_counter()
-    for i, (name, cmd, report) in enumerate(todo, 1):
-        print(f"== [{i}/{len(todo)}] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    by_name = {part.name: part for part in PARTS}
+    todo = [by_name[n] for n in NAMES if n in args.only]
+    ran, t0 = [], time.perf_counter()
+    for i, part in enumerate(todo, 1):
+        cmd = [sys.executable, "-m", part.module,
+               *arguments(part.name, args.out, args.cache_dir, args.quick)]
+        print(f"== [{i}/{len(todo)}] {part.name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        # an earlier run's figures must not pass for this one's
+        for stale in (part.results, part.report):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.out, stale))
         start = time.perf_counter()
         code = subprocess.run(cmd).returncode  # its progress goes straight to the terminal
-        results.append((name, code, time.perf_counter() - start, report))
-        print(f"== {name}: {'done' if code == 0 else f'FAILED (exit {code})'} in "
+        ran.append((part, code, time.perf_counter() - start))
+        print(f"== {part.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in "
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    lines = ["# fastmm bundled benchmark", "",
-             f"Total {time.perf_counter() - t0:.0f} s. Each part records its own environment "
-             "and command.", "", "| part | status | seconds | report |", "|---|---|---|---|"]
-    lines += [f"| {n} | {'ok' if c == 0 else f'failed ({c})'} | {s:.0f} | [{r}]({r}) |"
-              for n, c, s, r in results]
-    with open(os.path.join(args.out, "index.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "index.html"), "w") as f:
-        rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{'ok' if c == 0 else 'failed'}</td>"
-                       f"<td>{s:.0f}</td><td><a href='{html.escape(r)}'>{html.escape(r)}</a>"
-                       f"</td></tr>" for n, c, s, r in results)
-        f.write("<!DOCTYPE html><html><head><meta charset='utf-8'><title>fastmm benchmark"
-                f"</title></head><body><h1>fastmm bundled benchmark</h1><table>{rows}</table>"
-                "</body></html>")
-    print("\n".join(lines))
-    return 0 if all(c == 0 for _, c, _, _ in results) else 1
+    html_path, md_path = index(args.out, ran, time.perf_counter() - t0)
+    with open(md_path) as f:
+        print(f.read(), end="")
+    print(f"report: {os.path.abspath(html_path)}")
+    return 0 if all(code == 0 for _, code, _ in ran) else 1
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def _block(make, window_s: float, min_s: float, warmup_s: float, consume, index:
                          "spans_dropped": ended["spans_dropped"]}
     del arms
     gc.collect()
-    figures["workers_alive_after"] = harness._wait_for_children()
+    figures["workers_alive_after"] = harness.wait_for_children()
     return figures
 
 

@@ -6,6 +6,7 @@ level so that any start method can pickle them, and used unchanged by both loade
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Callable, Literal
 
@@ -120,7 +121,7 @@ class JpegFolderDataset(Dataset):
         return self.transform(rgb)
 
 
-def _leaves(batch) -> list:
+def leaves(batch) -> list:
     """The tensors, arrays and strings of a batch (one of them, or lists, tuples and dicts of
     them; a sample's plain numbers are left out)."""
     if isinstance(batch, (torch.Tensor, np.ndarray, str)):
@@ -129,7 +130,7 @@ def _leaves(batch) -> list:
         batch = batch.values()
     elif not isinstance(batch, (list, tuple)):
         return []
-    return [leaf for value in batch for leaf in _leaves(value)]
+    return [leaf for value in batch for leaf in leaves(value)]
 
 
 def _bytes(batch) -> np.ndarray:
@@ -137,7 +138,7 @@ def _bytes(batch) -> np.ndarray:
     strings count as their UTF-8 bytes)."""
     if not isinstance(batch, (torch.Tensor, np.ndarray)):
         parts = [leaf.encode() if isinstance(leaf, str) else _bytes(leaf).tobytes()
-                 for leaf in _leaves(batch)]
+                 for leaf in leaves(batch)]
         return np.frombuffer(b"".join(parts), dtype=np.uint8)
     array = batch.numpy() if isinstance(batch, torch.Tensor) else batch
     if not array.flags.c_contiguous:
@@ -145,10 +146,14 @@ def _bytes(batch) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def sum64(batch: torch.Tensor) -> int:
+def sum64(batch) -> int:
     """Read every byte of the batch at memory speed on one thread: the sum, modulo 2**64, of its
     bytes viewed as uint64 words (``np.add.reduce``), plus the trailing ``nbytes % 8`` bytes
-    added one by one. Deterministic for given bytes; numpy releases the GIL while it runs."""
+    added one by one; for a batch of several tensors (dicts, tuples, strings), the sum of each
+    one's, read in place. Deterministic for given bytes; numpy releases the GIL while it runs."""
+    if not isinstance(batch, (torch.Tensor, np.ndarray)):
+        return sum(sum64(np.frombuffer(leaf.encode(), dtype=np.uint8) if isinstance(leaf, str)
+                         else leaf) for leaf in leaves(batch)) & 0xFFFF_FFFF_FFFF_FFFF
     data = _bytes(batch)
     words = data.size // 8
     total = int(np.add.reduce(data[: words * 8].view(np.uint64))) if words else 0
@@ -166,7 +171,7 @@ def crc32(batch: torch.Tensor) -> int:
 def to_cuda(batch) -> int:
     """Copy every tensor of the batch to the GPU (``non_blocking=True``: asynchronous from
     pinned memory, as a training loop copies) and wait for the copies; the bytes copied."""
-    leaves = [leaf for leaf in _leaves(batch) if isinstance(leaf, torch.Tensor)]
+    leaves = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
     for leaf in leaves:
         leaf.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
@@ -195,7 +200,7 @@ def first_batch_digest(batch: torch.Tensor) -> int:
 def batch_nbytes(batch) -> int:
     return sum(len(leaf.encode()) if isinstance(leaf, str) else
                leaf.nbytes if isinstance(leaf, np.ndarray) else leaf.numel() * leaf.element_size()
-               for leaf in _leaves(batch))
+               for leaf in leaves(batch))
 
 
 def batch_len(batch) -> int:
@@ -207,3 +212,34 @@ def batch_len(batch) -> int:
             break
         batch = first
     return len(batch)
+
+
+class ModelStep:
+    """A stand-in for the model's step: the host waits (GPU-bound), burns a core, or runs
+    matmuls on the GPU, for about ``ms`` per micro-batch (calibrated once). On the GPU they are
+    4096-square bf16 products: a few hundred kernels a step that fill the device, as a model's
+    do, rather than thousands of tiny ones that would keep the host busy launching them."""
+
+    def __init__(self, mode: str, ms: float):
+        self.mode, self.seconds, self.iters = mode, ms / 1e3, 0
+        if mode in ("cpu", "cuda") and ms > 0:
+            self.weight = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+                           if mode == "cuda" else torch.randn(256, 256))
+            self._matmuls(4)
+            t0 = time.perf_counter()
+            self._matmuls(20)
+            per = (time.perf_counter() - t0) / 20
+            self.iters = max(1, round(self.seconds / per))
+
+    def _matmuls(self, n: int) -> None:
+        x = self.weight
+        for _ in range(n):
+            x = torch.tanh(x @ self.weight)
+        if self.mode == "cuda":  # the step's stream, as loss.item() waits: not other streams
+            torch.cuda.current_stream().synchronize()
+
+    def __call__(self) -> None:
+        if self.mode == "sleep":
+            time.sleep(self.seconds)
+        elif self.mode in ("cpu", "cuda") and self.iters:
+            self._matmuls(self.iters)

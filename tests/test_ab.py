@@ -1,0 +1,179 @@
+"""fastmm-bench --dataset: the method on a pipeline someone else wrote (tests/_user_pipeline.py:
+dict samples with strings, a random augmentation, a small CNN's real training step), its
+refusals before any work, and what a failing pipeline leaves behind. No figure is asserted:
+speed belongs to the benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastmm.bench import ab, cli, stats
+
+PIPE = os.path.join(os.path.dirname(__file__), "_user_pipeline.py")
+
+
+def bench(*args: str, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastmm.bench", *args, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ab")
+    proc = bench("--dataset", f"{PIPE}:shapes", "--step", f"{PIPE}:train_step", "--batch-size",
+                 "8", "--num-workers", "2", "--quick", out=out)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_every_arm_changes_one_thing_and_passes_its_check(ran):
+    _, _, result = ran
+    arms = result["arms"]
+    assert list(arms) == ["torch, loader alone", "fastmm, loader alone", "torch", "fastmm",
+                          "num_workers=1", "prefetch_factor=4", "fastmm, slab_memory=lean"]
+    for name, arm in arms.items():
+        assert arm["correctness"]["ok"], (name, arm["correctness"])
+        assert arm["samples_per_s"]["n"] == 3 and len(arm["reps"]) == 3
+        parent = arms.get(arm["parent"])
+        if parent is None:
+            assert name in ("torch", "torch, loader alone")
+            continue
+        changed = {k for k, v in arm["settings"].items() if parent["settings"][k] != v}
+        assert len(changed) == 1, (name, changed)
+        assert arm["call"] in ab.CALLS and stats.interval(arm["ratio"], 2, "x") in arm["label"]
+    # the same seeds: the loaders and the prefetch depth give the same bytes; the worker count
+    # moves the augmentation's random draws to other workers, which the check says
+    for name in ("fastmm", "fastmm, loader alone", "prefetch_factor=4", "fastmm, slab_memory=lean"):
+        assert arms[name]["correctness"]["check"] == "every batch byte-identical"
+    assert "random" in arms["num_workers=1"]["correctness"]["why"]
+    assert {x["arm"] for x in result["not_run"]} == {"pin_memory", "decoder", "source", "reduce"}
+
+
+@pytest.mark.slow
+def test_results_lead_with_a_headline_and_the_console_names_the_page(ran):
+    out, proc, result = ran
+    whats = [h["what"] for h in result["headline"]]
+    assert len(whats) == 4 and "end to end" in whats[1] and "memory" in whats[2]
+    for h in result["headline"]:
+        assert h["ci"][0] <= h["ratio"] <= h["ci"][1] and h["n"] == 3 and h["ci_level"] == 0.75
+        assert "range of 3" in h["label"]  # three runs make no 95% CI, and it says so
+    assert result["answer"][0].startswith("On this machine")
+    assert result["pipeline"]["batch"] == ("dict{image: uint8[8, 3, 40, 40], label: int64[8], "
+                                           "name: list[8 x str]}")
+    assert proc.stdout.strip().splitlines()[-1] == f"report: {out / 'index.html'}"
+    m = result["baseline_profile"]["metrics"]
+    assert m["queue_wait_s"]["count"] > 0 and m["worker_cpu_percent"] is not None
+
+
+@pytest.mark.slow
+def test_the_page_shows_the_answer_and_every_plot(ran):
+    from _browser import render
+
+    out, _, result = ran
+    dom = render(out / "index.html")
+    assert result["answer"][0] in dom["answer"]
+    assert set(dom["plots"]) == {"ratios", "rates", "queue-wait", "step-time", "memory"}
+    assert all(w > 100 and h > 100 for w, h in dom["plots"].values()), dom["plots"]
+
+
+@pytest.mark.parametrize("target, says", [
+    ("nope", "has no 'nope'"),
+    ("answer", "answer is not callable (it is int 42)"),
+    ("not_a_dataset", "not_a_dataset() returned list_iterator, not a Dataset"),
+])
+def test_a_target_that_cannot_be_used_is_one_line_and_exit_2(target, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--dataset", f"{PIPE}:{target}", "--batch-size", "8", "--num-workers", "2",
+                  "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and says in err and PIPE in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_a_module_that_does_not_import_is_named(tmp_path, capsys):
+    broken = tmp_path / "broken_pipeline.py"
+    broken.write_text("import definitely_not_a_module_xyz\n")
+    for target, says in [
+        (f"{broken}:dataset", "ModuleNotFoundError: No module named 'definitely_not_a_module_xyz'"),
+        ("no_such_package.data:dataset", "No module named 'no_such_package'"),
+        (f"{tmp_path}/missing.py:dataset", "no such file"),
+        ("no_colon", "expected MODULE:CALLABLE or path/to/FILE.py:CALLABLE"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--dataset", target, "--batch-size", "8", "--num-workers", "2",
+                      "--out", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert repr(target) in err and says in err, err
+
+
+def test_a_step_that_raises_shows_its_traceback_and_writes_no_report(tmp_path):
+    (tmp_path / "index.html").write_text("an earlier run's page")
+    proc = bench("--dataset", f"{PIPE}:shapes", "--step", f"{PIPE}:broken_step", "--batch-size",
+                 "8", "--num-workers", "2", "--quick", out=tmp_path)
+    assert proc.returncode == 1
+    assert 'in broken_step\n    raise RuntimeError("the step is broken on purpose")' in proc.stderr
+    assert not (tmp_path / "index.html").exists() and not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_an_iterable_dataset_without_a_step(tmp_path):
+    proc = bench("--dataset", f"{PIPE}:stream", "--batch-size", "8", "--num-workers", "2",
+                 "--quick", "--arms", "fastmm,num_workers", out=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    arms = json.loads((tmp_path / "results.json").read_text())["arms"]
+    assert list(arms) == ["torch", "fastmm", "num_workers=1"]
+    assert arms["fastmm"]["correctness"]["check"] == "every batch byte-identical"
+    assert arms["num_workers=1"]["correctness"]["check"].startswith("every batch the same structure")
+    assert "IterableDataset" in arms["num_workers=1"]["correctness"]["why"]
+
+
+@pytest.mark.slow
+def test_a_multimodal_dataset_gets_its_backends_as_arms(tmp_path):
+    from fastmm.bench.mmcorpus import CorpusSpec
+    from fastmm.bench.pipelines import ensure_mmcorpus
+
+    root = ensure_mmcorpus(CorpusSpec(num_images=40, num_videos=0, seed=3), tmp_path / "cache")
+    env = dict(os.environ, PIPELINE_IMAGES=os.path.join(root, "posix", "manifest.jsonl"))
+    proc = subprocess.run([sys.executable, "-m", "fastmm.bench", "--dataset", f"{PIPE}:multimodal",
+                           "--batch-size", "8", "--num-workers", "2", "--quick", "--arms",
+                           "decoder,source,reduce", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    arms = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]
+    assert list(arms) == ["torch", "decoder=torchvision", "source=staged", "reduce=True"]
+    for name in list(arms)[1:]:
+        assert arms[name]["correctness"]["ok"], (name, arms[name]["correctness"])
+    assert arms["source=staged"]["correctness"]["check"] == "every batch byte-identical"
+    assert arms["reduce=True"]["correctness"]["check"].startswith("the same batches, pixels within")
+
+
+def test_checks_fail_when_what_was_delivered_differs():
+    base = {"digests": [(1, 7), (2, 7)], "kept": [torch.zeros(2, 4)]}
+    arm = ab.Arm("x", "fastmm", 2, 2, False, True, None, parent="torch", factor="fastmm")
+    assert ab.check(arm, base, base, True)["ok"]
+    assert not ab.check(arm, dict(base, digests=[(1, 7), (3, 7)]), base, True)["ok"]
+    shaped = dict(base, digests=[(1, 7), (2, 8)])
+    assert not ab.check(ab.Arm("y", "torch", 1, 2, False, True, None, check="structure"),
+                        shaped, base, True)["ok"]
+    pixels = ab.Arm("z", "torch", 2, 2, False, True, None, check="pixels")
+    ramp = torch.arange(256.0).repeat(2, 1)
+    assert ab.check(pixels, dict(base, kept=[ramp + 1]), dict(base, kept=[ramp]), True)["ok"]
+    assert not ab.check(pixels, dict(base, kept=[ramp + 3]), dict(base, kept=[ramp]), True)["ok"]
+    assert not ab.check(pixels, dict(base, kept=[ramp[:1]]), dict(base, kept=[ramp]), True)["ok"]
+
+
+def test_digest_sees_bytes_order_and_structure():
+    a = {"x": torch.arange(6, dtype=torch.uint8).reshape(2, 3), "s": ["a", "b"]}
+    assert ab.digest(a) == ab.digest({"x": torch.arange(6, dtype=torch.uint8).reshape(2, 3),
+                                      "s": ["a", "b"]})
+    assert ab.digest(a)[0] != ab.digest(dict(a, s=["b", "a"]))[0]
+    assert ab.digest(a)[1] != ab.digest(dict(a, x=a["x"].reshape(3, 2)))[1]
+    assert ab.describe(a) == "dict{x: uint8[2, 3], s: list(str, str)}"
