@@ -44,6 +44,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
+import fastmm
+
+from ..dataset import MultimodalDataset
 from ..telemetry import Telemetry
 from . import ab_page, env, harness, options, stats
 from .report import BUSY_CORES
@@ -239,9 +242,8 @@ def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list
     if "fastmm" in wanted:
         out.append(fastmm)
     if "num_workers" in wanted:
-        other = args.try_num_workers if args.try_num_workers is not None else (
-            2 * nw if 0 < 2 * nw <= env.usable_cores() else max(1, nw // 2) if nw > 1 else
-            env.usable_cores())
+        other = (args.try_num_workers if args.try_num_workers is not None
+                 else _other_worker_count(nw, env.usable_cores()))
         if other == nw:
             skipped.append({"arm": "num_workers", "why": "no other worker count to try: give "
                             "--try-num-workers"})
@@ -285,11 +287,17 @@ def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list
     return out, skipped
 
 
+def _other_worker_count(nw: int, cores: int) -> int:
+    """Twice the user's worker count where the cores allow it, else half (at least one); with
+    no workers, one per core."""
+    if nw == 0:
+        return cores
+    return 2 * nw if 2 * nw <= cores else max(1, nw // 2)
+
+
 def _dataset_arms(args, base: Arm, dataset, wanted: set, stage_dir: str,
                   skipped: list) -> list[Arm]:
     """A MultimodalDataset's backends, one at a time: decoder, source, reduce."""
-    from ..dataset import MultimodalDataset
-
     factors = wanted & {"decoder", "source", "reduce"}
     if not factors:
         return []
@@ -298,7 +306,7 @@ def _dataset_arms(args, base: Arm, dataset, wanted: set, stage_dir: str,
                      "Dataset's own"} for f in sorted(factors)]
         return []
     out = []
-    decoder = dataset.decoder.name if hasattr(dataset.decoder, "name") else None
+    decoder = getattr(dataset.decoder, "name", None)
     changes = []
     if "decoder" in factors:
         other = {"pil": "torchvision", "torchvision": "pil"}.get(decoder)
@@ -371,8 +379,6 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
     """One run of an arm: a fresh loader, the first batch timed, then ``run.timed`` batches
     after ``run.warmup``, each handed to the step (or read); telemetry throughout. With
     ``profile_dir``: every batch digested, a trace and a dense memory series exported there."""
-    import fastmm
-
     gc.collect()
     harness.wait_for_children()
     map_style = not isinstance(arm.dataset, torch.utils.data.IterableDataset)
@@ -424,9 +430,9 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
             if n + 1 == run.warmup:
                 start, meter = time.perf_counter(), harness.CpuMeter()
         end = time.perf_counter()
+        cpu = meter.stop() if meter is not None else None  # before the workers go
     finally:
         epoch.close()
-    cpu = meter.stop() if meter is not None else None
     summary = tm.summary()
     if profile:
         tm.export(profile_dir)

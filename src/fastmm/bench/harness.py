@@ -43,20 +43,18 @@ from .workloads import Consumer, batch_len, batch_nbytes, first_batch_digest
 PSS_INTERVAL_S = 0.05
 
 
-def _tree() -> list[psutil.Process]:
-    me = psutil.Process()
-    return [me, *me.children(recursive=True)]
-
-
-def tree_cpu_s() -> float:
-    """User + system CPU seconds used so far by this process and its live descendants."""
+def tree_cpu_s(root: int | None = None) -> float:
+    """User + system CPU seconds of a process tree (this process's, or ``root``'s), the
+    children it has reaped included: workers that ended during a repetition still count as
+    its own, not as another process's."""
+    top = psutil.Process(root)
     total = 0.0
-    for proc in _tree():
+    for proc in [top, *top.children(recursive=True)]:
         try:
-            times = proc.cpu_times()
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            t = proc.cpu_times()
+        except psutil.Error:
             continue
-        total += times.user + times.system
+        total += t.user + t.system + t.children_user + t.children_system
     return total
 
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 import os
 import time
 
-import psutil
-
 from . import stats
-from .harness import system_busy_s
+from .harness import system_busy_s, tree_cpu_s
 from .workloads import CONSUMERS
 
 BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
@@ -59,21 +57,6 @@ def save_study(out: str, stem: str, result: dict, title: str, header: list[str],
           "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
           *["| " + " | ".join(r) + " |" for r in rows], "", "\n\n".join(notes)]
     save(out, stem, result, "\n".join(md), page)
-
-
-def tree_cpu_s(root: int | None = None) -> float:
-    """User + system CPU seconds of a process tree (this process's, or ``root``'s), the
-    children it has reaped included: workers that ended during a repetition still count as
-    its own, not as another process's."""
-    top = psutil.Process(root)
-    total = 0.0
-    for proc in [top, *top.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
 
 
 class OtherCores:

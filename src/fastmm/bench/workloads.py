@@ -171,11 +171,11 @@ def crc32(batch: torch.Tensor) -> int:
 def to_cuda(batch) -> int:
     """Copy every tensor of the batch to the GPU (``non_blocking=True``: asynchronous from
     pinned memory, as a training loop copies) and wait for the copies; the bytes copied."""
-    leaves = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
-    for leaf in leaves:
-        leaf.to("cuda", non_blocking=True)
+    tensors = [leaf for leaf in leaves(batch) if isinstance(leaf, torch.Tensor)]
+    for tensor in tensors:
+        tensor.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
-    return sum(leaf.nbytes for leaf in leaves)
+    return sum(tensor.nbytes for tensor in tensors)
 
 
 Consumer = Callable[[torch.Tensor], int]
