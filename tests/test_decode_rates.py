@@ -44,3 +44,25 @@ def test_gpu_arms_plumbing_pointed_at_the_cpu(tmp_path):
         assert arm["nvdec_frames_right"] is True and arm["nvdec_vs_cpu_mean_abs_diff"] == 0
         assert arm["cores_matching_gpu"] > 0
     assert result["nvdec"]["measured"] and "not measured" not in text
+
+
+def test_the_crossover_reaches_the_main_jobs_index(tmp_path):
+    """Where the GPU arms were measured (here pointed at the CPU, for the plumbing), the finding
+    says how many cores one GPU matches per class, and the main job's index shows it with the
+    crossover plot."""
+    from _browser import render
+
+    from fastmm.bench import suite
+
+    _run(tmp_path, "--accelerator", "cpu")
+    (tmp_path / "out").rename(tmp_path / "decode-rates")
+    result = json.loads((tmp_path / "decode-rates" / "decode_rates.json").read_text())
+    classes = [f"{name} {a['cores_matching_gpu']:.1f}" for name, a in result["images"].items()]
+    assert result["finding"]["call"] == "undecided" and result["busy"] == []
+    assert all(c in result["finding"]["text"] for c in classes)
+    part = next(p for p in suite.PARTS if p.name == "decode-rates")
+    suite.index(str(tmp_path), [(part, 0, 10.0)], 10.0)
+    seen = render(tmp_path / "index.html")
+    assert result["finding"]["text"] in seen["answer"][0]
+    assert list(seen["plots"]) == ["decode-rates-crossover"]
+    assert all(w > 100 and h > 100 for w, h in seen["plots"].values())

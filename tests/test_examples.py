@@ -5,6 +5,7 @@ data they fall back on (generated once, atomically, the same from the same seed)
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -290,3 +291,26 @@ def test_example_runs_as_a_training_script(name, env):
     steps = re.findall(r"^step (\d+): loss (\S+) \([\d.]+ s\)$", done.stdout, re.M)
     assert [int(s) for s, _ in steps] == [0, 1]  # 48 images in 32s, 12 videos in 8s
     assert all(math.isfinite(float(loss)) for _, loss in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, batch", [("image_folder", 8), ("video_clips", 4)])
+def test_example_runs_through_fastmm_bench(name, batch, env, tmp_path):
+    """What the README shows a user: fastmm-bench --dataset on the example's Dataset and step
+    (a smoke run, torch against fastmm): the same batches, a headline and a page."""
+    if name == "video_clips":
+        needs_video()
+    target = EXAMPLES / f"{name}.py"
+    done = subprocess.run([sys.executable, "-m", "fastmm.bench", "--dataset", f"{target}:dataset",
+                           "--step", f"{target}:train_step", "--batch-size", str(batch),
+                           "--num-workers", "2", "--quick", "--arms", "fastmm", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"report: {tmp_path / 'index.html'}"
+    result = json.loads((tmp_path / "results.json").read_text())
+    for arm in ("fastmm", "fastmm, loader alone"):
+        check = result["arms"][arm]["correctness"]
+        assert check["ok"] and check["check"] == "every batch byte-identical", check
+    assert [h["what"].split(",")[1].strip() for h in result["headline"][:2]] == [
+        "data pipeline (the loop only reads each batch)", "end to end on your step"]

@@ -273,6 +273,26 @@ def _not_measured(result: dict) -> list[str]:
     return out
 
 
+def finding(result: dict) -> dict:
+    """What the rates say, for the main job's answer: how many CPU cores one GPU decodes as
+    fast as, per image size class and video resolution. Rates apart from any loader: where to
+    decode is called end to end, by study 2."""
+    parts = []
+    for what, arms in (("JPEGs", result["images"]), ("clips", result["videos"])):
+        matched = [f"{name} {a['cores_matching_gpu']:.1f}" for name, a in arms.items()
+                   if a.get("cores_matching_gpu")]
+        if matched:
+            parts.append(f"{what}: " + ", ".join(matched))
+    if not parts:
+        text = "; ".join(_not_measured(result)) or "No GPU decode was measured."
+    else:
+        text = (f"One GPU ({result['accelerator']}) decodes as fast as this many CPU cores "
+                f"(its best batch against one core, medians of {result['reps']} repetitions): "
+                + "; ".join(parts) + ".")
+    return {"text": text, "call": "undecided",
+            "label": "rates apart from any loader: study 2 decides the placement end to end"}
+
+
 def figures(result: dict) -> list[tuple]:
     """(name, Figure, caption): the crossover of nvJPEG against one CPU core per size class,
     only where the GPU was measured (a plot of one line per class says nothing)."""
@@ -339,6 +359,7 @@ def main(argv=None) -> int:
                         "script's own plumbing, its 'GPU' figures then being CPU ones")
     args = options.parse(p, argv, {"images": 40, "videos": 3, "reps": 2, "min_seconds": 0.1})
     result = run(args)
+    result.update(finding=finding(result), busy=[])
     save(args.out, "decode_rates", result, report(result), page(result))
     return 0
 

@@ -11,7 +11,8 @@ link to its own report. Parts (each its own process, its own environment record 
 3. ``staging``: study 1, NVMe staging against reading in place from throttled storage;
 4. ``gpu-decode``: study 2, decode in the CPU workers or on the GPU next to a model step (its
    GPU arms only where CUDA is);
-5. ``shards``: study 3, a file per sample against 1 MB tar shards and those shards staged,
+5. ``decode-rates``, where CUDA is: nvJPEG and NVDEC against CPU cores (the crossover);
+6. ``shards``: study 3, a file per sample against 1 MB tar shards and those shards staged,
    in real torchrun (gloo) jobs at world size 2 and 4.
 
 Run: ``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a few minutes).
@@ -28,6 +29,8 @@ import os
 import subprocess
 import sys
 import time
+
+import torch
 
 from . import ab_page, options, plots, report, stats
 from .corpus import default_cache_dir
@@ -55,10 +58,13 @@ PARTS = (
          "staging/staging.json", "staging/report.html"),
     Part("gpu-decode", "Study 2: GPU decode placement", "fastmm.bench.study_gpu_decode",
          "gpu-decode/gpu_decode.json", "gpu-decode/report.html"),
+    Part("decode-rates", "Decode rates: the GPU decode crossover", "fastmm.bench.decode_rates",
+         "decode-rates/decode_rates.json", "decode-rates/report.html"),
     Part("shards", "Study 3: sharded storage under torchrun", "fastmm.bench.study_shards",
          "shards/shards.json", "shards/report.html"),
 )
-NAMES = ("loader", "pipeline", "staging", "gpu-decode", "shards")  # the order they run in
+# the order they run in; decode-rates only where CUDA is (without a GPU it measures no crossover)
+NAMES = ("loader", "pipeline", "staging", "gpu-decode", "decode-rates", "shards")
 
 
 def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
@@ -79,6 +85,7 @@ def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
             "pipeline": [],
             "staging": ["--images", "160"],
             "gpu-decode": [],
+            "decode-rates": [],
             "shards": ["--images", "160", "--shard-bytes", "1000000"],
         }[name]
     if name == "pipeline":  # the lead's runner: a Dataset and a step from the examples
@@ -187,6 +194,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     by_name = {part.name: part for part in PARTS}
     todo = [by_name[n] for n in NAMES if n in args.only]
+    if not torch.cuda.is_available() and by_name["decode-rates"] in todo:
+        todo.remove(by_name["decode-rates"])
+        print("== decode-rates: left out: no CUDA device here (the crossover needs a GPU)",
+              file=sys.stderr, flush=True)
     ran, t0 = [], time.perf_counter()
     for i, part in enumerate(todo, 1):
         cmd = [sys.executable, "-m", part.module,
