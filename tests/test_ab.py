@@ -177,3 +177,14 @@ def test_digest_sees_bytes_order_and_structure():
     assert ab.digest(a)[0] != ab.digest(dict(a, s=["b", "a"]))[0]
     assert ab.digest(a)[1] != ab.digest(dict(a, x=a["x"].reshape(3, 2)))[1]
     assert ab.describe(a) == "dict{x: uint8[2, 3], s: list(str, str)}"
+
+
+def test_without_workers_there_is_no_loader_to_compare():
+    """fastmm.DataLoader with num_workers=0 is torch's own loader: no fastmm arm, said why; the
+    worker-count arm tries one worker per core."""
+    args = ab.build_parser().parse_args(["--dataset", "m:f", "--batch-size", "8",
+                                         "--num-workers", "0"])
+    chosen, skipped = ab.arms(args, torch.utils.data.TensorDataset(torch.zeros(4)), True, "/x")
+    assert [a.name for a in chosen] == ["torch", f"num_workers={ab.env.usable_cores()}"]
+    why = {x["arm"]: x["why"] for x in skipped}
+    assert "is torch's DataLoader" in why["fastmm"] and why["prefetch_factor"].startswith("no workers")

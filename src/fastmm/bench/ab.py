@@ -230,13 +230,17 @@ def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list
     nw, pf = args.num_workers, args.prefetch_factor
     base = Arm("torch", "torch", nw, pf if nw else None, args.pin_memory, has_step, dataset)
     out, skipped = [], []
-    if has_step:  # the loaders with the loop only reading: data-pipeline throughput
+    wanted = set(args.arms)
+    if nw == 0 and "fastmm" in wanted:
+        wanted -= {"fastmm"}
+        skipped.append({"arm": "fastmm", "why": "with num_workers=0 fastmm.DataLoader is torch's "
+                        "DataLoader (the same code): give --num-workers to compare the loaders"})
+    if has_step and "fastmm" in wanted:  # the loop only reading: data-pipeline throughput
         out.append(dataclasses.replace(base, name="torch, loader alone", step=False))
         out.append(dataclasses.replace(base, name="fastmm, loader alone", loader="fastmm",
                                        step=False, parent="torch, loader alone",
                                        factor="fastmm"))
     out.append(base)
-    wanted = set(args.arms)
     fastmm = dataclasses.replace(base, name="fastmm", loader="fastmm", parent="torch",
                                  factor="fastmm", why="the same seeds give the same batches")
     if "fastmm" in wanted:

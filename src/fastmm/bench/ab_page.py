@@ -77,7 +77,7 @@ def answer(result: dict) -> list[str]:
             text += f", and runs your step end to end at {stats.interval(e2e['ratio'], 2, 'x')}"
         lines.append(text + f" (paired runs; {data['ratio']['n']} rounds).")
         main, base = e2e or data, arms["torch"]
-        if main.get("memory_ratio") and main["host_bytes_peak"] and base["host_bytes_peak"]:
+        if main.get("memory_ratio") and (base["host_bytes_peak"] or {}).get("median", 0) > 2**20:
             lines.append(
                 f"At its peak it holds {_mib(main['host_bytes_peak']['median'])} of host memory "
                 f"against torch's {_mib(base['host_bytes_peak']['median'])} "
@@ -85,6 +85,7 @@ def answer(result: dict) -> list[str]:
                 f"in {main['first_batch_s']['median']:.2f} s against "
                 f"{base['first_batch_s']['median']:.2f} s.")
         lines.append(f"Call: {main['call']} ({main['label']}).")
+    lines += [f"fastmm was not run: {x['why']}." for x in result["not_run"] if x["arm"] == "fastmm"]
     observed = result["bottleneck"]["observed"]
     if observed:
         lines.append("torch's loader, untouched: " + "; ".join(observed) + ".")
