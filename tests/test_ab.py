@@ -39,7 +39,7 @@ def test_every_arm_changes_one_thing_and_passes_its_check(ran):
     assert list(arms) == ["torch, loader alone", "fastmm, loader alone", "torch", "fastmm",
                           "num_workers=1", "prefetch_factor=4", "fastmm, slab_memory=lean"]
     for name, arm in arms.items():
-        assert arm["correctness"]["ok"], (name, arm["correctness"])
+        assert arm["correctness"]["ok"] and arm["correctness"]["why"], (name, arm["correctness"])
         assert arm["samples_per_s"]["n"] == 3 and len(arm["reps"]) == 3
         parent = arms.get(arm["parent"])
         if parent is None:

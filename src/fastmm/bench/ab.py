@@ -54,6 +54,7 @@ from .workloads import batch_len, batch_nbytes, leaves, sum64
 
 QUICK = {"reps": 3, "seconds": 0.5}
 FULL = {"reps": 6, "seconds": 2.0}
+SAME_SEEDS = "the same seeds give the same batches"
 MEMORY_BAR = 1.10  # roll out only while the arm holds at most this much of its parent's memory
 FACTORS = ("fastmm", "num_workers", "prefetch_factor", "pin_memory", "slab_memory", "decoder",
            "source", "reduce")
@@ -239,10 +240,10 @@ def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list
         out.append(dataclasses.replace(base, name="torch, loader alone", step=False))
         out.append(dataclasses.replace(base, name="fastmm, loader alone", loader="fastmm",
                                        step=False, parent="torch, loader alone",
-                                       factor="fastmm"))
+                                       factor="fastmm", why=SAME_SEEDS))
     out.append(base)
     fastmm = dataclasses.replace(base, name="fastmm", loader="fastmm", parent="torch",
-                                 factor="fastmm", why="the same seeds give the same batches")
+                                 factor="fastmm", why=SAME_SEEDS)
     if "fastmm" in wanted:
         out.append(fastmm)
     if "num_workers" in wanted:
