@@ -776,3 +776,25 @@ class CorruptOn(PilDecoder):
         if key in self.keys:
             raise DecodeError("corrupt", key, "damaged on purpose")
         return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
+
+
+class FaultCounter(Dataset):
+    """Each sample is a fresh 2.4 MB clip (a copy of one of 8, as a decoder hands out new
+    memory), kept until the batch is collated, with the page faults making it took in its
+    process: about one a 4 KiB page when its memory is new to the process, none when the
+    allocator hands back memory an earlier batch freed."""
+
+    def __init__(self):
+        self.bank = torch.randint(0, 256, (8, 16, 3, 224, 224), dtype=torch.uint8,
+                                  generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return 384
+
+    def __getitem__(self, i):
+        import resource
+
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        clip = self.bank[i % 8].clone()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return {"faults": torch.tensor(faults), "clip": clip}

@@ -37,7 +37,8 @@ def test_every_arm_changes_one_thing_and_passes_its_check(ran):
     _, _, result = ran
     arms = result["arms"]
     assert list(arms) == ["torch, loader alone", "fastmm, loader alone", "torch", "fastmm",
-                          "num_workers=1", "prefetch_factor=4", "fastmm, slab_memory=lean"]
+                          "num_workers=1", "prefetch_factor=4", "fastmm, slab_memory=lean",
+                          "fastmm, worker_malloc=system"]
     for name, arm in arms.items():
         assert arm["correctness"]["ok"] and arm["correctness"]["why"], (name, arm["correctness"])
         assert arm["samples_per_s"]["n"] == 3 and len(arm["reps"]) == 3
@@ -45,12 +46,14 @@ def test_every_arm_changes_one_thing_and_passes_its_check(ran):
         if parent is None:
             assert name in ("torch", "torch, loader alone")
             continue
-        changed = {k for k, v in arm["settings"].items() if parent["settings"][k] != v}
+        keys = set(arm["settings"]) | set(parent["settings"])
+        changed = {k for k in keys if parent["settings"].get(k) != arm["settings"].get(k)}
         assert len(changed) == 1, (name, changed)
         assert arm["call"] in ab.CALLS and stats.interval(arm["ratio"], 2, "x") in arm["label"]
     # the same seeds: the loaders and the prefetch depth give the same bytes; the worker count
     # moves the augmentation's random draws to other workers, which the check says
-    for name in ("fastmm", "fastmm, loader alone", "prefetch_factor=4", "fastmm, slab_memory=lean"):
+    for name in ("fastmm", "fastmm, loader alone", "prefetch_factor=4", "fastmm, slab_memory=lean",
+                 "fastmm, worker_malloc=system"):
         assert arms[name]["correctness"]["check"] == "every batch byte-identical"
     assert "random" in arms["num_workers=1"]["correctness"]["why"]
     assert {x["arm"] for x in result["not_run"]} == {"pin_memory", "decoder", "source", "reduce"}

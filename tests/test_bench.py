@@ -762,6 +762,7 @@ def _bad_command_lines(tmp_path):
         ("cli", ["--dataset", "m:f", "--batch-size", "8", "--num-workers", "2",
                  "--arms", "fastmm,bogus"]),
         ("mmcorpus", ["--out", str(a_file)]),
+        ("worker_memory", ["--samples", "0"]),
     ]
 
 
@@ -837,3 +838,22 @@ def test_an_interrupted_bench_run_keeps_the_cases_that_finished(tmp_path):
     assert [c["name"] for c in results["cases"]] == ["transport-view-b32"]
     assert results["interrupted"] == "after 1 of 2 cases"
     assert "**Interrupted** after 1 of 2 cases" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_worker_memory_run_follows_each_workers_rss_in_both_modes(tmp_path):
+    """The long-run memory check (here short): both FASTMM_WORKER_MALLOC settings, each worker's
+    RSS over the run, its growth over the second half, and a finding with a call."""
+    from fastmm.bench import worker_memory
+
+    out = tmp_path / "out"
+    assert worker_memory.main(["--samples", "512", "--images", "40", "--out", str(out),
+                               "--cache-dir", str(tmp_path / "cache")]) == 0
+    result = json.loads((out / "worker_memory.json").read_text())
+    assert [r["mode"] for r in result["runs"]] == ["reuse", "system"]
+    for run in result["runs"]:
+        assert run["samples"] == 512 and len(run["workers"]) == 2
+        for w in run["workers"]:
+            assert len(w["rss_at_tenths_bytes"]) == 10 and w["peak_rss_bytes"] == max(w["rss_bytes"])
+    assert result["finding"]["call"] in ("roll out", "roll back", "undecided")
+    assert (out / "report.html").exists()

@@ -73,7 +73,8 @@ def test_sources_and_decoders_unpickle_nothing():
 @pytest.mark.parametrize("name", ["FASTMM_DECODE", "FASTMM_DEVICE", "FASTMM_SOURCE",
                                   "FASTMM_STAGE_DIR", "FASTMM_SHM_DIR", "FASTMM_SLAB_MEMORY",
                                   "FASTMM_TELEMETRY", "FASTMM_TELEMETRY_DIR",
-                                  "FASTMM_PURE_PYTHON", "FASTMM_DECODE_DEADLINE"])
+                                  "FASTMM_PURE_PYTHON", "FASTMM_DECODE_DEADLINE",
+                                  "FASTMM_WORKER_MALLOC"])
 def test_no_environment_value_runs_a_command(name, tmp_path):
     marker = tmp_path / "ran"
     code = ("import fastmm, torch\n"

@@ -43,6 +43,24 @@ from .slabs import IDLE_WORKER_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+# Blocks up to this size come from the heap, where a freed one serves the next sample: glibc's
+# largest (32 MiB on 64-bit: half its heap size), past any decoded image under 4K x 4K.
+REUSE_MMAP_THRESHOLD = 32 << 20
+REUSE_TRIM_THRESHOLD = 256 << 20  # free memory kept at the heap's top before it is returned
+
+
+def reuse_freed_memory() -> bool:
+    """Have glibc keep the memory this worker frees for its next samples: by default each
+    block over 128 KiB (a decoded image, a clip, a fresh tensor) is a new mapping, faulted in
+    page by page and unmapped when freed, so every sample pays for its memory again. True if
+    glibc took the settings (False elsewhere: another libc, or none found)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return (mallopt(_M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD) == 1
+            and mallopt(_M_TRIM_THRESHOLD, REUSE_TRIM_THRESHOLD) == 1)
 
 
 def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -165,6 +183,8 @@ def worker_loop(
         gc.freeze()
         _exit_when_orphaned(parent_thread_is_main, main_pid)
         signal_handling._set_worker_signal_handlers()
+        if transport.worker_malloc == "reuse":
+            reuse_freed_memory()
         torch.set_num_threads(1)
         seed = base_seed + worker_id
         random.seed(seed)

@@ -45,7 +45,7 @@ def _env_dir(name: str, default: str) -> str:
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """How batches travel from workers to the main process."""
+    """How worker processes run and hand their batches to the main process."""
 
     pure_python: bool = False  # FASTMM_PURE_PYTHON: force the NumPy twin of fastmm._C
     shm_dir: str = "/dev/shm"  # FASTMM_SHM_DIR: tmpfs that holds the slabs
@@ -53,6 +53,9 @@ class TransportConfig:
     # "lean" unmaps every batch once read or sent, so batches waiting in the queue count in no
     # process (as torch's do), at the price of faulting every batch in twice.
     slab_memory: Literal["auto", "lean"] = "auto"
+    # FASTMM_WORKER_MALLOC: "reuse" has glibc keep memory a worker frees for its next samples
+    # (no fresh pages per decoded image); "system" leaves glibc's defaults, as torch's workers.
+    worker_malloc: Literal["reuse", "system"] = "reuse"
 
     @classmethod
     def from_env(cls) -> "TransportConfig":
@@ -60,10 +63,12 @@ class TransportConfig:
             pure_python=_env_bool("FASTMM_PURE_PYTHON", False),
             shm_dir=_env_dir("FASTMM_SHM_DIR", "/dev/shm"),
             slab_memory=_env_choice("FASTMM_SLAB_MEMORY", "auto", SLAB_MEMORY_MODES),
+            worker_malloc=_env_choice("FASTMM_WORKER_MALLOC", "reuse", WORKER_MALLOC_MODES),
         )
 
 
 SLAB_MEMORY_MODES = ("auto", "lean")
+WORKER_MALLOC_MODES = ("reuse", "system")
 TELEMETRY_MODES = ("off", "summary", "trace")
 
 

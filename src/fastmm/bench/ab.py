@@ -17,8 +17,8 @@ batch. Then, on that pipeline:
 
 The baseline is torch's DataLoader with the user's settings, untouched. Every other arm changes
 one factor from its parent (``fastmm``: the loader; ``num_workers``, ``prefetch_factor``,
-``pin_memory`` on the baseline; ``slab_memory=lean`` on ``fastmm``; for a MultimodalDataset its
-``decoder``, ``source`` and ``reduce``). With a step, torch and fastmm also run with the loop
+``pin_memory`` on the baseline; ``slab_memory=lean`` and ``worker_malloc=system`` on
+``fastmm``; for a MultimodalDataset its ``decoder``, ``source`` and ``reduce``). With a step, torch and fastmm also run with the loop
 only reading the batches: data-pipeline throughput apart from end to end.
 """
 
@@ -56,8 +56,8 @@ QUICK = {"reps": 3, "seconds": 0.5}
 FULL = {"reps": 6, "seconds": 2.0}
 SAME_SEEDS = "the same seeds give the same batches"
 MEMORY_BAR = 1.10  # roll out only while the arm holds at most this much of its parent's memory
-FACTORS = ("fastmm", "num_workers", "prefetch_factor", "pin_memory", "slab_memory", "decoder",
-           "source", "reduce")
+FACTORS = ("fastmm", "num_workers", "prefetch_factor", "pin_memory", "slab_memory",
+           "worker_malloc", "decoder", "source", "reduce")
 CALLS = ("roll out", "keep the baseline", "roll back", "undecided")
 class TargetError(Exception):
     """A --dataset/--step/--collate that cannot be used: one line, exit code 2."""
@@ -214,7 +214,7 @@ class Arm:
     dataset: object
     parent: str | None = None
     factor: str | None = None
-    slab_memory: str | None = None  # FASTMM_SLAB_MEMORY for this arm
+    environment: dict = dataclasses.field(default_factory=dict)  # FASTMM_* for this arm
     check: str = "bytes"  # "bytes", "pixels" or "structure": what must equal the parent's
     why: str = ""  # why the check is what it is
     levels: float = 2.0  # "pixels": the mean |difference| allowed, in levels of 255
@@ -222,7 +222,7 @@ class Arm:
     def settings(self) -> dict:
         return {"loader": self.loader, "num_workers": self.num_workers,
                 "prefetch_factor": self.prefetch_factor, "pin_memory": self.pin_memory,
-                "step": self.step, "slab_memory": self.slab_memory}
+                "step": self.step, **self.environment}
 
 
 def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list[dict]]:
@@ -279,15 +279,19 @@ def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list
                                            why="page-locked copies of the same bytes"))
         else:
             skipped.append({"arm": "pin_memory", "why": "no CUDA device: nothing to pin for"})
-    if "slab_memory" in wanted:
-        if nw:
-            out.append(dataclasses.replace(fastmm, name="fastmm, slab_memory=lean",
-                                           slab_memory="lean", parent="fastmm",
-                                           factor="slab_memory",
-                                           why="the slabs are unmapped sooner, not written "
-                                               "differently"))
-        else:
-            skipped.append({"arm": "slab_memory", "why": "no workers: no slabs"})
+    for factor, variable, value, why in (
+            ("slab_memory", "FASTMM_SLAB_MEMORY", "lean",
+             "the slabs are unmapped sooner, not written differently"),
+            ("worker_malloc", "FASTMM_WORKER_MALLOC", "system",
+             "where freed memory goes changes, not what is written")):
+        if factor not in wanted:
+            continue
+        if not nw:
+            skipped.append({"arm": factor, "why": "no workers: fastmm's workers' settings"})
+            continue
+        out.append(dataclasses.replace(fastmm, name=f"fastmm, {factor}={value}",
+                                       environment={variable: value}, parent="fastmm",
+                                       factor=factor, why=why))
     out += _dataset_arms(args, base, dataset, wanted, stage_dir, skipped)
     return out, skipped
 
@@ -353,19 +357,18 @@ def _dataset_arms(args, base: Arm, dataset, wanted: set, stage_dir: str,
 # -- one run -------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _slab_memory(mode: str | None):
-    """FASTMM_SLAB_MEMORY for one arm's loader (read when its iterator starts)."""
-    saved = os.environ.get("FASTMM_SLAB_MEMORY")
-    if mode is not None:
-        os.environ["FASTMM_SLAB_MEMORY"] = mode
+def fastmm_settings(settings: dict[str, str]):
+    """FASTMM_* settings for one arm's loader (read when its iterator starts)."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if mode is not None:
-            if saved is None:
-                os.environ.pop("FASTMM_SLAB_MEMORY", None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["FASTMM_SLAB_MEMORY"] = saved
+                os.environ[name] = value
 
 
 @dataclasses.dataclass
@@ -395,7 +398,7 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
     digests, kept, waits, gaps = [], None, [], []
     first_s = first_digest = start = end = meter = None
     samples = batches = 0
-    with _slab_memory(arm.slab_memory):
+    with fastmm_settings(arm.environment):
         torch.manual_seed(run.seed)
         t0 = time.perf_counter()
         loader = cls(arm.dataset, batch_size=run.batch_size, shuffle=map_style,
