@@ -428,6 +428,19 @@ def test_pss_is_swept_early_then_every_pss_interval_or_once_at_the_end():
             assert len(swept) >= 2
 
 
+def test_without_a_pss_interval_memory_is_swept_once_as_the_epoch_ends(loader_cls):
+    """pss_interval_s=None: no page-table walk while the epoch runs (a benchmark's timed window),
+    one as it ends, with the workers still alive: loader_host_bytes has one value."""
+    tm = Telemetry(interval_s=0.05, pss_interval_s=None)
+    for i, _ in enumerate(tm.watch(loader_cls(Paced(), batch_size=8, num_workers=2))):
+        time.sleep(0.04)  # the loop's step
+        if i == 20:  # ~0.8 s in: past the first sweep an interval would have made (0.5 s)
+            break
+    m = tm.summary()["metrics"]
+    assert m["loader_host_bytes"]["count"] == 1 and m["worker_pss_bytes"]["count"] == 2
+    assert m["worker_rss_bytes"]["count"] > 2 * 10  # the cheap figures every interval_s
+
+
 class Paced(Dataset):
     """Each sample keeps a worker's CPU busy for 2 ms."""
 

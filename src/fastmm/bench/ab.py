@@ -392,9 +392,10 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
     map_style = not isinstance(arm.dataset, torch.utils.data.IterableDataset)
     cls = fastmm.DataLoader if arm.loader == "fastmm" else torch.utils.data.DataLoader
     profile = profile_dir is not None
-    # the check run (untimed) samples memory densely for the plot; timed runs every second
+    # the check run (untimed) samples memory densely for the plot; a timed run once, after its
+    # window: a walk of every mapped page takes CPU from the workers, more the more is mapped
     tm = (Telemetry(trace=True, interval_s=0.05, pss_interval_s=0.1) if profile
-          else Telemetry(pss_interval_s=1.0))
+          else Telemetry(pss_interval_s=None))
     digests, kept, waits, gaps = [], None, [], []
     first_s = first_digest = start = end = meter = None
     samples = batches = 0
@@ -454,7 +455,7 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
         "batches": batches, "samples": samples, "window_s": window,
         "samples_per_s": samples / window if window > 0 and batches else None,
         "queue_wait_share": sum(waits) / window if window > 0 else None,
-        "host_bytes_peak": memory["max"] if memory else None,
+        "host_bytes_held": memory["max"] if memory else None,  # (one sweep, after the window)
         "other_processes_cpu_cores": (max(0.0, cpu["system_busy_s"] - cpu["tree_cpu_s"]) / window
                                       if cpu and window > 0 else None),
         "waits_s": waits, "steps_s": gaps, "digests": digests, "kept": kept,
@@ -524,7 +525,7 @@ def summarize_arm(arm: Arm, reps: list[dict], parent_reps: list[dict] | None) ->
     entry = {"settings": arm.settings(), "parent": arm.parent, "factor": arm.factor,
              "samples_per_s": stats.summarize(rates),
              "first_batch_s": stats.summarize([r["first_batch_s"] for r in reps]),
-             "host_bytes_peak": stats.summarize([r["host_bytes_peak"] for r in reps]),
+             "host_bytes_held": stats.summarize([r["host_bytes_held"] for r in reps]),
              "queue_wait_share": stats.summarize([r["queue_wait_share"] for r in reps]),
              "busy_reps": sum((r["other_processes_cpu_cores"] or 0) > BUSY_CORES for r in reps),
              "ran_out": any(r["ran_out"] for r in reps)}
@@ -534,7 +535,7 @@ def summarize_arm(arm: Arm, reps: list[dict], parent_reps: list[dict] | None) ->
         entry["first_batch_ratio"] = stats.summarize(stats.paired_ratios(
             [r["first_batch_s"] for r in reps], [r["first_batch_s"] for r in parent_reps]))
         entry["memory_ratio"] = stats.summarize(stats.paired_ratios(
-            [r["host_bytes_peak"] for r in reps], [r["host_bytes_peak"] for r in parent_reps]))
+            [r["host_bytes_held"] for r in reps], [r["host_bytes_held"] for r in parent_reps]))
     return entry
 
 

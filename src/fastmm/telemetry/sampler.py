@@ -107,7 +107,8 @@ class Sampler:
         self._t0 = time.monotonic()
         # the first PSS sweep once workers have run a while (a sweep costs 3-15 ms a torch
         # process); one that ends sooner gets its sweep at the end
-        self._next_pss = self._t0 + min(FIRST_PSS_S, pss_interval_s)
+        self._next_pss = (self._t0 + min(FIRST_PSS_S, pss_interval_s)
+                          if pss_interval_s is not None else float("inf"))
         self._pss_taken = False
 
     def start(self) -> None:
@@ -141,7 +142,8 @@ class Sampler:
         with_pss = now >= self._next_pss or (final and not self._pss_taken)
         if with_pss:  # the gap doubles (a short epoch gets a few sweeps), up to pss_interval_s
             gap = max(now - self._t0, FIRST_PSS_S)
-            self._next_pss = now + min(gap, self.pss_interval_s)
+            if self.pss_interval_s is not None:
+                self._next_pss = now + min(gap, self.pss_interval_s)
             self._pss_taken = True
         row = {"t_s": now - self._t0, "t_ns": time.monotonic_ns(), "pids": pids,
                "rss_bytes": [], "cpu_percent": []}

@@ -49,12 +49,14 @@ class Telemetry:
     series keeps every other row (then every 4th, ...), evenly over the run.
     ``interval_s``: how often processes and host are sampled; ``pss_interval_s``: how often
     PSS, USS and ``loader_host_bytes`` are, once an epoch has run a while (they cost the kernel
-    a page-table walk per process; an epoch's first sweeps come sooner: sampler.py)."""
+    a page-table walk per process; an epoch's first sweeps come sooner: sampler.py); None:
+    only once, as the epoch ends, for runs whose timing a walk of every mapped page would
+    disturb."""
 
     MAX_SERIES_ROWS = 20_000  # ~1.1 h at interval_s=0.2, ~20 MB with a few workers
 
     def __init__(self, *, trace: bool = False, interval_s: float = 0.2,
-                 pss_interval_s: float = 5.0):
+                 pss_interval_s: float | None = 5.0):
         self.trace = trace
         self.interval_s, self.pss_interval_s = interval_s, pss_interval_s
         self.log = SpanLog()
