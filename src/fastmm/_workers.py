@@ -44,17 +44,19 @@ from .slabs import IDLE_WORKER_S, SlabWriter
 PARENT_CHECK_INTERVAL_S = 0.25
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
-# Blocks up to this size come from the heap, where a freed one serves the next sample: glibc's
-# largest (32 MiB on 64-bit: half its heap size), past any decoded image under 4K x 4K.
+# Blocks up to this size come from the heap, where a freed one serves the next sample: past
+# any decoded image under 4K x 4K (glibc's default starts at 128 KiB and only rises as mapped
+# blocks are freed).
 REUSE_MMAP_THRESHOLD = 32 << 20
 REUSE_TRIM_THRESHOLD = 256 << 20  # free memory kept at the heap's top before it is returned
 
 
 def reuse_freed_memory() -> bool:
-    """Have glibc keep the memory this worker frees for its next samples: by default each
-    block over 128 KiB (a decoded image, a clip, a fresh tensor) is a new mapping, faulted in
-    page by page and unmapped when freed, so every sample pays for its memory again. True if
-    glibc took the settings (False elsewhere: another libc, or none found)."""
+    """Have glibc keep the memory this worker frees for its next samples: with its defaults a
+    worker often gives a collated batch's samples back to the system (the heap's top is trimmed
+    past a few MB, larger blocks are mappings of their own) and faults every page of the next
+    batch's in again (docs/loader.md). True if glibc took the settings (False elsewhere:
+    another libc, or none found)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -456,8 +456,7 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
         "samples_per_s": samples / window if window > 0 and batches else None,
         "queue_wait_share": sum(waits) / window if window > 0 else None,
         "host_bytes_held": memory["max"] if memory else None,  # (one sweep, after the window)
-        "other_processes_cpu_cores": (max(0.0, cpu["system_busy_s"] - cpu["tree_cpu_s"]) / window
-                                      if cpu and window > 0 else None),
+        "other_processes_cpu_cores": cpu["other_processes_cpu_cores"] if cpu else None,
         "waits_s": waits, "steps_s": gaps, "digests": digests, "kept": kept,
         "ran_out": batches < run.timed, "telemetry": summary,
     }

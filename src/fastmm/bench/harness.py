@@ -66,12 +66,38 @@ def system_busy_s() -> float:
 
 
 class CpuMeter:
-    def __init__(self) -> None:
-        self.tree0 = tree_cpu_s()
+    """The CPU a process tree (this process's, or ``root``'s) and the whole machine use from
+    now until ``stop()``, and so the cores other processes took meanwhile, on average: on a
+    small machine one busy core slows every arm, so a repetition run that way is flagged, not
+    silently averaged in."""
+
+    def __init__(self, root: int | None = None) -> None:
+        self.root = root
+        self.t0 = time.perf_counter()
+        self.tree0 = tree_cpu_s(root)
         self.system0 = system_busy_s()
 
     def stop(self) -> dict:
-        return {"tree_cpu_s": tree_cpu_s() - self.tree0, "system_busy_s": system_busy_s() - self.system0}
+        seconds = time.perf_counter() - self.t0
+        tree, system = tree_cpu_s(self.root) - self.tree0, system_busy_s() - self.system0
+        return {"tree_cpu_s": tree, "system_busy_s": system,
+                "other_processes_cpu_cores": max(0.0, system - tree) / seconds if seconds > 0
+                else None}
+
+
+class OtherCores:
+    """``with OtherCores() as o: ...``; then ``o.cores``: CpuMeter's cores of other processes
+    over the block."""
+
+    def __init__(self, root: int | None = None):
+        self.root, self.cores = root, None
+
+    def __enter__(self):
+        self._meter = CpuMeter(self.root)
+        return self
+
+    def __exit__(self, *exc):
+        self.cores = self._meter.stop()["other_processes_cpu_cores"]
 
 
 def shmem_bytes() -> int | None:
@@ -198,8 +224,7 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, probe_s: fl
     while True:
         meter = CpuMeter()
         time.sleep(probe_s)
-        cpu = meter.stop()
-        others = max(0.0, cpu["system_busy_s"] - cpu["tree_cpu_s"]) / probe_s
+        others = meter.stop()["other_processes_cpu_cores"]
         waited += probe_s
         if others < threshold_cores or waited >= max_wait_s:
             return {"quiet_wait_s": waited, "quiet_before_start": others < threshold_cores,
@@ -267,10 +292,8 @@ class _Window:
         exhausted = self.end is None
         end = self.end if self.end is not None else time.perf_counter()
         window = (end - self.start) if self.start is not None else 0.0
-        cpu = self.cpu.stop() if self.cpu is not None else {"tree_cpu_s": None, "system_busy_s": None}
-        others = None
-        if cpu["tree_cpu_s"] is not None and window > 0:
-            others = max(0.0, cpu["system_busy_s"] - cpu["tree_cpu_s"]) / window
+        cpu = self.cpu.stop() if self.cpu is not None else {
+            "tree_cpu_s": None, "system_busy_s": None, "other_processes_cpu_cores": None}
         return {
             "first_batch_s": self.first_batch_s,
             "warm_batches": self.warm_batches,
@@ -282,7 +305,6 @@ class _Window:
             "bytes_per_s": self.nbytes / window if window > 0 else None,
             "exhausted": exhausted,
             **cpu,
-            "other_processes_cpu_cores": others,
         }
 
 

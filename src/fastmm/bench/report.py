@@ -5,10 +5,8 @@ shares."""
 from __future__ import annotations
 
 import os
-import time
 
 from . import stats
-from .harness import system_busy_s, tree_cpu_s
 from .workloads import CONSUMERS
 
 BUSY_CORES = 0.25  # a timed repetition during which other processes used more CPU counts as busy
@@ -57,25 +55,6 @@ def save_study(out: str, stem: str, result: dict, title: str, header: list[str],
           "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
           *["| " + " | ".join(r) + " |" for r in rows], "", "\n\n".join(notes)]
     save(out, stem, result, "\n".join(md), page)
-
-
-class OtherCores:
-    """``with OtherCores() as o: ...``; then ``o.cores``: the cores processes outside this
-    tree (or ``root``'s) used meanwhile, on average. On a small machine one busy core slows
-    every arm, so a repetition run that way is flagged, not silently averaged in."""
-
-    def __init__(self, root: int | None = None):
-        self.root, self.cores = root, None
-
-    def __enter__(self):
-        self._t0, self._sys0 = time.perf_counter(), system_busy_s()
-        self._tree0 = tree_cpu_s(self.root)
-        return self
-
-    def __exit__(self, *exc):
-        seconds = time.perf_counter() - self._t0
-        others = (system_busy_s() - self._sys0) - (tree_cpu_s(self.root) - self._tree0)
-        self.cores = max(0.0, others) / seconds if seconds > 0 else None
 
 
 def busy_notes(what: str, cores: list[float | None]) -> list[str]:

@@ -32,7 +32,7 @@ from . import env, harness, options, plots, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, _files, ensure_mmcorpus
-from .report import OtherCores, busy_notes, save_study
+from .report import busy_notes, save_study
 from .workloads import ModelStep
 
 
@@ -250,7 +250,7 @@ def run(args) -> dict:
     results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
     for r in range(args.reps):
         for arm, compute in harness.rotated(list(arms), r):
-            with OtherCores() as others:
+            with harness.OtherCores() as others:
                 fig = run_arm(arm, steps[compute], paths, args, order)
             fig["other_processes_cpu_cores"] = others.cores
             results[f"{arm} / model {compute}"].append(fig)

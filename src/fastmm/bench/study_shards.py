@@ -31,7 +31,7 @@ from . import env, harness, options, plots, stats
 from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
-from .report import OtherCores, busy_notes, save_study
+from .report import busy_notes, save_study
 
 
 def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None:
@@ -50,7 +50,7 @@ def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None
     for done, (rep, name, path) in enumerate(runs, 1):
         dist.barrier()
         # the whole job is under torchrun's agent (this rank's parent): its CPU is not "other"
-        with OtherCores(root=os.getppid()) as others:
+        with harness.OtherCores(root=os.getppid()) as others:
             figs = read_layout(name, path, os.path.join(out, f"stage-{rep}"), batch, workers,
                                epochs)
         run = {"rep": rep, "layout": name, **figs, "other_processes_cpu_cores": others.cores}

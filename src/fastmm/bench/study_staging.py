@@ -32,9 +32,10 @@ from torch.utils.data import Dataset
 
 from . import env, options, plots, stats
 from .corpus import default_cache_dir
+from .harness import OtherCores
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
-from .report import OtherCores, busy_notes, save_study
+from .report import busy_notes, save_study
 
 
 class _Bucket:
