@@ -1,4 +1,4 @@
-// fastmm._C: shared-memory slab creation and copies into slabs on raw buffers.
+// fastmm._C: shared-memory slab creation, and copies into slabs that bypass the cache.
 //
 // It links no PyTorch library: everything is a Python buffer, so the build stays small and
 // independent of the torch version. src/fastmm/_twin.py is the pure-Python twin of every
@@ -12,10 +12,45 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace {
+
+// Copies of this size or more bypass the cache (non-temporal stores): what lands in a slab is
+// read by another process, most likely on another core, so caching it here would only evict
+// the next sample, which the worker is about to make and copy. Measured on a 2-core Xeon VM:
+// a fresh 2.4 MB clip copied into its slot in 0.13-0.16 ms instead of 0.24-0.26 ms.
+constexpr size_t kStreamMinBytes = 256 * 1024;
+
+void copy_out(char* dst, const char* src, size_t n) {
+#if defined(__SSE2__)
+  if (n >= kStreamMinBytes) {
+    size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;  // to a 16-byte boundary
+    std::memcpy(dst, src, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    _mm_sfence();  // visible before the message that says the batch is ready
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
 
 // create_slab(dir, nbytes) -> fd
 // An unnamed file on the tmpfs at `dir` (O_TMPFILE), so no crash can leave it behind; falls back
@@ -51,7 +86,8 @@ PyObject* create_slab(PyObject*, PyObject* args) {
 }
 
 // gather(dst, offset, srcs, stride): copy srcs[i] to dst[offset + i*stride], GIL released.
-// The pickler in collate.py copies each storage a batch uses into the slab with it.
+// collate.py copies each sample into its slot of the batch with it as the sample is made, and
+// each storage of a custom collate_fn's batch into the slab.
 PyObject* gather(PyObject*, PyObject* args) {
   PyObject* dst_obj;
   Py_ssize_t offset;
@@ -94,7 +130,8 @@ PyObject* gather(PyObject*, PyObject* args) {
     char* base = static_cast<char*>(dst.buf) + offset;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; ++i) {
-      std::memcpy(base + i * stride, srcs[i].buf, static_cast<size_t>(srcs[i].len));
+      copy_out(base + i * stride, static_cast<const char*>(srcs[i].buf),
+               static_cast<size_t>(srcs[i].len));
     }
     Py_END_ALLOW_THREADS
   }

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import fastmm
 from fastmm.bench import ab, cli, stats
 
 PIPE = os.path.join(os.path.dirname(__file__), "_user_pipeline.py")
@@ -36,9 +37,10 @@ def ran(tmp_path_factory):
 def test_every_arm_changes_one_thing_and_passes_its_check(ran):
     _, _, result = ran
     arms = result["arms"]
+    twin = ["fastmm, pure_python=1"] if fastmm.uses_cpp() else []
     assert list(arms) == ["torch, loader alone", "fastmm, loader alone", "torch", "fastmm",
                           "num_workers=1", "prefetch_factor=4", "fastmm, slab_memory=lean",
-                          "fastmm, worker_malloc=system"]
+                          "fastmm, worker_malloc=system", *twin]
     for name, arm in arms.items():
         assert arm["correctness"]["ok"] and arm["correctness"]["why"], (name, arm["correctness"])
         assert arm["samples_per_s"]["n"] == 3 and len(arm["reps"]) == 3
@@ -53,10 +55,11 @@ def test_every_arm_changes_one_thing_and_passes_its_check(ran):
     # the same seeds: the loaders and the prefetch depth give the same bytes; the worker count
     # moves the augmentation's random draws to other workers, which the check says
     for name in ("fastmm", "fastmm, loader alone", "prefetch_factor=4", "fastmm, slab_memory=lean",
-                 "fastmm, worker_malloc=system"):
+                 "fastmm, worker_malloc=system", *twin):
         assert arms[name]["correctness"]["check"] == "every batch byte-identical"
     assert "random" in arms["num_workers=1"]["correctness"]["why"]
-    assert {x["arm"] for x in result["not_run"]} == {"pin_memory", "decoder", "source", "reduce"}
+    assert {x["arm"] for x in result["not_run"]} == {
+        "pin_memory", "decoder", "source", "reduce", *([] if twin else ["pure_python"])}
 
 
 @pytest.mark.slow

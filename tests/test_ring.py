@@ -51,7 +51,7 @@ def test_lent_views_see_the_workers_bytes_and_come_back(pair):
     assert ring.drain() == {}  # still viewed
     del first
     gc.collect()
-    assert ring.drain() == {0: ([first_id], [])}  # back to the worker for reuse
+    assert ring.drain() == {0: ([first_id], [], [])}  # back to the worker for reuse
 
 
 def test_surplus_free_slabs_are_retired_and_unpinned(pair):
@@ -63,9 +63,9 @@ def test_surplus_free_slabs_are_retired_and_unpinned(pair):
         assert bytes(view) == bytes([i]) * 70_000
     del views, view
     gc.collect()
-    release, destroy = ring.drain()[0]
+    release, destroy, punched = ring.drain()[0]
     assert len(release) == 1 and len(destroy) == 2  # keep one free slab, retire the rest
-    writer.apply(release, destroy)
+    writer.apply(release, destroy, punched)
     assert len(pinned) == 1
     again, slab_id = _write_batch(writer, ring, sock, b"z" * 50_000)
     assert slab_id == release[0]  # reused, not created
@@ -139,7 +139,7 @@ def test_a_slab_goes_back_only_once_its_copies_are_done(pair):
     gc.collect()
     assert len(fences) == 1 and ring.drain() == {}  # its copy is still queued: kept
     fences[0].passed = True
-    assert ring.drain() == {0: ([slab_id], [])}
+    assert ring.drain() == {0: ([slab_id], [], [])}
     view, _ = _write_batch(writer, ring, sock, b"d" * 30_000)
     del view
     gc.collect()

@@ -79,6 +79,20 @@ def test_gather_places_each_source_in_its_slot(native):
     assert dst == expected
 
 
+@pytest.mark.parametrize("offset, size", [(3, (1 << 20) + 7), (64, 1 << 18), (5, (1 << 18) - 1)])
+def test_gather_copies_large_sources_exactly_wherever_they_land(native, offset, size):
+    """Large copies take another road in fastmm._C (stores that bypass the cache, from a
+    16-byte boundary on): every byte lands, at any alignment, and nothing beside it moves."""
+    source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    dst = bytearray(b"\xee" * (offset + 2 * size + 9))
+    native.gather(dst, offset, [source, source[::-1].copy()], size + 1)
+    out = np.frombuffer(dst, dtype=np.uint8)
+    assert np.array_equal(out[offset:offset + size], source)
+    assert np.array_equal(out[offset + size + 1:offset + 2 * size + 1], source[::-1])
+    assert not np.any(out[:offset] != 0xEE) and out[offset + size] == 0xEE
+    assert not np.any(out[offset + 2 * size + 1:] != 0xEE)
+
+
 def test_gather_is_bounds_checked(native):
     dst = bytearray(16)
     with pytest.raises(ValueError, match="does not fit"):

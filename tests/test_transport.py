@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -476,3 +477,57 @@ def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(path, monkeypatch)
             ring = max(ring, len(ours))
     assert ring >= 5  # up to eight batches are in flight ...
     assert max(peaks) <= 3 * batch_bytes  # ... but one is read and at most two are written
+
+
+class SlowBig(Dataset):
+    """4 MiB samples that take 30 ms each: a decode-bound pipeline, whose batches leave the
+    workers time to give free slabs' memory back."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        time.sleep(0.03)
+        return torch.full((4, 1024, 1024), i % 251, dtype=torch.uint8)
+
+
+def test_free_slabs_give_their_memory_back_while_batches_are_slow(path, monkeypatch):
+    """Free slabs give their pages back while batches are slow to make or the loop waits: the
+    shared memory in use is the batches in flight (as torch's would be), not every slab the
+    ring has made; and the slabs are written again afterwards, intact."""
+    batch_bytes = 4 << 20
+    with private_tmpfs("256m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        idle = used_bytes(shm)
+        it = iter(fastmm.DataLoader(SlowBig(), batch_size=1, num_workers=2))
+        used, ring = [], []
+        for k in range(12):
+            assert int(next(it)[0, 0, 0, 0]) == k  # (each batch dropped at once)
+            if k >= 4:
+                used.append(used_bytes(shm) - idle)
+                ring.append(sum(len(mm) for mm in it._ring._maps.values()))
+        assert sorted(used)[len(used) // 2] < sorted(ring)[len(ring) // 2]  # medians
+        time.sleep(2.0)  # the loop stops: the workers make the batches asked of them, then idle
+        waiting = 2 * 2 * batch_bytes  # num_workers x prefetch_factor
+        assert used_bytes(shm) - idle == waiting < sum(len(mm) for mm in it._ring._maps.values())
+        for k in range(12, 24):
+            assert int(next(it)[0, 0, 0, 0]) == k
+        del it
+
+
+def test_a_full_shm_when_a_freed_slab_is_needed_again_is_a_clear_error(path, monkeypatch):
+    """A slab whose pages went back reserves them again before the next write: if /dev/shm
+    filled up meanwhile, that is a SharedMemoryError, not a SIGBUS in the worker."""
+    with private_tmpfs("32m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        it = iter(fastmm.DataLoader(SlowBig(), batch_size=1, num_workers=1))
+        for _ in range(4):
+            next(it)
+        time.sleep(0.3)  # the worker has made its next batches and freed the slabs it had
+        with open(os.path.join(shm, "filler"), "wb") as filler:
+            free = shutil.disk_usage(shm).free
+            filler.write(b"\0" * free)
+        with pytest.raises(fastmm.SharedMemoryError):
+            for _ in range(20):
+                next(it)
+        del it

@@ -4,7 +4,8 @@ a result queue of shared-memory segments.
 Messages from the main process (on the worker's index queue):
   ("task", send_idx, index, spare)  fetch and collate one batch (or one sample); spare: seconds
                                    the loop spent outside next() last step (see slabs.py)
-  ("slabs", release_ids, destroy_ids)  slabs the main process no longer views
+  ("slabs", release_ids, destroy_ids, punched_ids)  slabs the main process no longer views;
+                                   punched: released ones whose pages it gave back
   ("resume", shared_seed, epoch)   a new epoch on persistent workers; epoch: the main process's
                                    ShardStream.epoch, passed on to this copy (else None)
   None                             exit
@@ -35,9 +36,10 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import IterDataPipe, _DatasetKind
 from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data._utils.fetch import _IterableDatasetFetcher, _MapDatasetFetcher
 from torch.utils.data.graph_settings import apply_random_seed
 
-from . import collate, resume
+from . import _streaming, collate, resume
 from .dataset import skip_counters
 from .slabs import IDLE_WORKER_S, SlabWriter
 
@@ -212,9 +214,11 @@ def worker_loop(
         slab_collate = collate.worker_collate_fn(collate_fn)
 
         def make_fetcher():
-            return _DatasetKind.create_fetcher(
-                dataset_kind, dataset, auto_collation, slab_collate, drop_last
-            )
+            fetcher = _MapFetcher if dataset_kind == _DatasetKind.Map else _IterableFetcher
+            return fetcher(dataset, auto_collation, slab_collate, drop_last)
+
+        # default-collated batches stream their samples into the slab as they are made
+        streams = auto_collation and collate.is_default(collate_fn)
 
         init_exception = None
         fetcher = None
@@ -245,7 +249,7 @@ def worker_loop(
                 break
             kind = message[0]
             if kind == "slabs":
-                writer.apply(message[1], message[2])
+                writer.apply(*message[1:])
                 continue
             if kind == "resume":
                 result_conn.send(("resumed",))
@@ -264,7 +268,9 @@ def worker_loop(
             if init_exception is not None:
                 result, init_exception = ("error", init_exception), None
             else:
-                result = _fetch(fetcher, index, dataset_kind, worker_id)
+                size = len(index) if streams and hasattr(index, "__len__") else None
+                with collate.streaming(size):
+                    result = _fetch(fetcher, index, dataset_kind, worker_id)
                 if result[0] == "end":
                     iteration_end = True
             stream = None
@@ -294,6 +300,37 @@ def worker_loop(
     finally:
         torch_worker._worker_info = None
         collate.set_writer(None)
+
+
+class _MapFetcher(_MapDatasetFetcher):
+    """torch's fetcher for map-style datasets, handing each sample to the batch as it is made
+    (_streaming.py) where the dataset has no ``__getitems__``."""
+
+    def fetch(self, possibly_batched_index):
+        if not self.auto_collation or getattr(self.dataset, "__getitems__", None):
+            return super().fetch(possibly_batched_index)
+        with _streaming.sample_by_sample() as put:
+            data = [put(self.dataset[idx], i) for i, idx in enumerate(possibly_batched_index)]
+        return self.collate_fn(data)
+
+
+class _IterableFetcher(_IterableDatasetFetcher):
+    """torch's fetcher for iterable datasets, handing each sample to the batch as it is made."""
+
+    def fetch(self, possibly_batched_index):
+        if self.ended or not self.auto_collation:
+            return super().fetch(possibly_batched_index)
+        data = []
+        with _streaming.sample_by_sample() as put:
+            for position, _ in enumerate(possibly_batched_index):
+                try:
+                    data.append(put(next(self.dataset_iter), position))
+                except StopIteration:
+                    self.ended = True
+                    break
+        if not data or (self.drop_last and len(data) < len(possibly_batched_index)):
+            raise StopIteration
+        return self.collate_fn(data)
 
 
 def _restore(make_fetcher, dataset, rng_state, skip_items: int, stream: tuple | None):

@@ -2,7 +2,8 @@
 
 ``default_collate`` runs as torch's own ``collate`` with one change: a batched tensor is
 allocated in the worker's slab instead of a new shared-memory segment, and each sample is
-copied straight into its slot. Whatever a custom ``collate_fn`` returns travels too: every
+copied straight into its slot, as soon as the sample is made where the worker fetches sample
+by sample (see _streaming.py). Whatever a custom ``collate_fn`` returns travels too: every
 plain CPU tensor (and NumPy array over 16 KiB) in it is copied into the slab (or inlined, if
 tiny) by the pickler, and the main process gets tensors (arrays) that view the slab without a
 copy.
@@ -10,9 +11,11 @@ copy.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import pickle
+import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -25,6 +28,7 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
+from . import _streaming
 from ._layout import copy_into, interleaved_bytes
 from .telemetry.recorder import TimedCollate
 
@@ -51,6 +55,10 @@ def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
     elem = batch[0]
     if _writer is None or not _plain_cpu_tensor(elem):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    batch_in_progress = _streaming.current()
+    streamed = batch_in_progress.claim(batch) if batch_in_progress is not None else None
+    if streamed is not None:
+        return streamed
     shape = (len(batch), *elem.shape)
     numel = math.prod(shape)
     nbytes = numel * elem.element_size()
@@ -67,6 +75,124 @@ def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
     # one call for the whole batch: per-sample work in Python cost 7-10 us a sample, 40x
     # torch.stack's, and made batches of many small samples slower than torch's loader
     return torch.stack(batch, 0, out=out)
+
+
+class _StreamedBatch:
+    """A default-collated batch being fetched: each sample's tensors are copied into their slot
+    of the batch the moment the sample is made, and the sample keeps a view of the slot instead.
+
+    The sample's own memory is then free for the next one, still in the core's cache, where
+    torch's fetcher holds a whole batch of samples before stacking them: the worker copies
+    from cache rather than memory, and holds one sample's memory, not a batch's. Collation
+    then finds the tensors in place (``claim``); whatever did not stream (another shape or
+    dtype, a sample made elsewhere) is copied then, as before."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._outs: dict[tuple, torch.Tensor | None] = {}  # per leaf: (size, *shape) in a slab
+        self._regions: dict[int, memoryview] = {}  # id(out) -> the slab region it views
+        # id(slot view) -> (out, place, the view: kept alive, so no id is reused in a batch)
+        self._slots: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._taken: set[tuple[int, int]] = set()  # (id(out), place)
+        self.copy_spans: list[int] = []  # start and end (ns) of each sample's copies, flat
+
+    def put(self, sample, position: int):
+        """``sample`` with each of its tensors that streams replaced by a view of its slot."""
+        if sample is None or not 0 <= position < self.size:
+            return sample
+        start = time.monotonic_ns()
+        placed = self._place(sample, (), position)
+        if placed is not sample:
+            self.copy_spans += (start, time.monotonic_ns())
+        return placed
+
+    def _place(self, x, path: tuple, position: int):
+        """``x`` with its tensors streamed; containers default_collate descends into are
+        rebuilt as their own type where a tensor in them was replaced."""
+        if type(x) is torch.Tensor:
+            return self._stream(x, path, position)
+        if isinstance(x, dict):
+            placed = {k: self._place(v, (*path, k), position) for k, v in x.items()}
+            if all(placed[k] is v for k, v in x.items()):
+                return x
+            try:
+                out = copy.copy(x)
+            except TypeError:  # collation will copy its tensors instead
+                return x
+            out.update(placed)
+            return out
+        if type(x) in (tuple, list) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+            placed = [self._place(v, (*path, i), position) for i, v in enumerate(x)]
+            if all(p is v for p, v in zip(placed, x)):
+                return x
+            return type(x)(*placed) if hasattr(x, "_fields") else type(x)(placed)
+        return x
+
+    def _stream(self, t: torch.Tensor, path: tuple, position: int) -> torch.Tensor:
+        out = self._outs.get(path, False)
+        if out is False:  # the first sample with this leaf sets the batch's shape and dtype
+            out = None
+            numel = self.size * t.numel()
+            if _plain_cpu_tensor(t) and numel * t.element_size() > INLINE_MAX_BYTES:
+                _, _, view = _writer.alloc(numel * t.element_size())
+                out = torch.frombuffer(view, dtype=t.dtype, count=numel)
+                out = out.view(self.size, *t.shape)
+                self._regions[id(out)] = view
+            self._outs[path] = out
+        if (out is None or t.dtype != out.dtype or t.shape != out.shape[1:]
+                or not _plain_cpu_tensor(t) or id(t) in self._slots
+                or (id(out), position) in self._taken):  # a place filled twice: not again
+            return t
+        slot = out[position]
+        if t.is_contiguous():  # past the cache (fastmm._C): another process reads it
+            nbytes = t.numel() * t.element_size()
+            source = t.reshape(-1).view(torch.uint8).numpy()
+            _writer.gather(self._regions[id(out)], position * nbytes, [source], nbytes)
+        else:
+            copy_into(slot, t)
+        self._taken.add((id(out), position))
+        self._slots[id(slot)] = (out, position, slot)
+        return slot
+
+    def claim(self, batch: list) -> torch.Tensor | None:
+        """The batch of these tensors made in place, from the slots that hold them, or None
+        (nothing of it streamed, or its order cannot be compacted in place)."""
+        slots = [self._slots.get(id(t)) for t in batch]
+        outs = {id(entry[0]) for entry in slots if entry is not None}
+        if len(outs) != 1:
+            return None
+        out = next(entry[0] for entry in slots if entry is not None)
+        if len(batch) > len(out):
+            return None
+        last = -1
+        for position, (t, entry) in enumerate(zip(batch, slots)):
+            if entry is None:
+                if not (_plain_cpu_tensor(t) and t.dtype == out.dtype
+                        and t.shape == out.shape[1:]):
+                    return None  # torch's own rules (and errors) for this batch
+            elif entry[1] < position or entry[1] <= last:
+                return None  # (moved down in increasing order, each is read before it is
+            else:  # overwritten; any other order would need a second copy)
+                last = entry[1]
+        for position, (t, entry) in enumerate(zip(batch, slots)):
+            if entry is None:
+                copy_into(out[position], t)
+            elif entry[1] != position:
+                out[position].copy_(out[entry[1]])
+        return out[: len(batch)]
+
+
+def streaming(size: int | None):
+    """``with streaming(size):`` around fetching and collating one batch of ``size`` samples
+    in a worker (None: not default-collated, or not batched): producers inside may stream."""
+    return _streaming.fetching(_StreamedBatch(size) if size and _writer is not None else None)
+
+
+def is_default(collate_fn) -> bool:
+    """Whether ``collate_fn`` is torch's default_collate (timed by telemetry or not)."""
+    if isinstance(collate_fn, TimedCollate):
+        return is_default(collate_fn.fn)
+    return collate_fn is default_collate
 
 
 def worker_collate_fn(collate_fn):

@@ -33,6 +33,7 @@ import torch.utils.data
 
 from . import config
 from ._shared import SharedArray, row_of, this_worker
+from ._streaming import sample_by_sample
 from ._wrappers import all_wrapped
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
@@ -439,7 +440,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list:
         """A batch's items; under on_error="skip" bad samples are left out of it."""
-        items = [self._get(i) for i in indices]
+        with sample_by_sample() as put:
+            items = [put(self._get(i), position) for position, i in enumerate(indices)]
         if self.on_error == "skip":
             items = [item for item in items if item is not None]
             if not items:

@@ -697,10 +697,10 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                 self._unsaid.append(finding)
 
     def _return_slabs(self) -> None:
-        for channel, (release, destroy) in self._ring.drain().items():
+        for channel, (release, destroy, punched) in self._ring.drain().items():
             worker_id = self._channels.index(channel)
             if self._workers[worker_id].is_alive():
-                self._index_queues[worker_id].put(("slabs", release, destroy))
+                self._index_queues[worker_id].put(("slabs", release, destroy, punched))
 
     def _try_get_data(self, timeout: float):
         """(True, (idx, data)) from any worker within ``timeout`` s, else (False, None); a dead

@@ -5,20 +5,24 @@ regions of it as tensors without copying. A slab is lent to one batch at a time 
 to its worker when the last tensor viewing it is freed, so users may keep batches as long as
 they like: the ring grows when all slabs are held and shrinks back when they are released.
 
-Idle memory goes back: a process unmaps slabs it is not using (their pages stay in the slab
-file) when the time it has to spare is several times what mapping them back will cost it
-(~0.1 ms/MB to read, ~0.2 ms/MB to write). The main process looks at the loop's step (waiting
-for data included; 5x the read cost) and unmaps the slabs the loop releases; a worker looks at
-how long the loop spent outside next() (sent with each task: a paced, GPU-bound loop; 3x the
-write cost) and at how long its batch took to make (decoding; 20x), and unmaps the batch once
-sent; a worker without work for IDLE_WORKER_S unmaps everything. A paced loop then maps about
-the batch in its hands, as with torch, while a loop running flat out pays nothing for it.
-FASTMM_SLAB_MEMORY=lean unmaps every batch whatever the pace: less memory mapped at full speed,
-for the cost of faulting each batch in twice (once to write, once to read).
+Idle memory goes back when the time a process has to spare is several times what getting it
+back will cost. Unmapping a slab (its pages stay in the slab file) costs a fault per page to map
+it again (~0.1 ms/MB to read); giving its pages back to the system (a hole punched in the file)
+costs reserving, zeroing and mapping them again before the next write (~0.45 ms/MB, measured).
+The main process looks at the loop's step (waiting for data included): a slab the loop releases
+is unmapped at 5x the read cost and given back at 5x both costs. A worker looks at how long the
+loop spent outside next() (sent with each task: a paced, GPU-bound loop; 3x the refill cost) and
+at how long its batch took to make (decoding; 20x): then it unmaps every slab once the batch is
+sent and gives back the free ones, and each one that comes back; a worker without work for
+IDLE_WORKER_S does so whatever the pace. A paced or decode-bound loader then holds about the
+batches in flight, as torch's does, while a loop running flat out pays nothing for it.
+FASTMM_SLAB_MEMORY=lean does all of it whatever the pace: torch's memory at full speed, for the
+cost of every batch's pages reserved and faulted in again.
 
 Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
 processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
-reserved at creation, so a full /dev/shm raises SharedMemoryError instead of a SIGBUS later.
+reserved at creation, and again before a write into one whose pages went back, so a full
+/dev/shm raises SharedMemoryError instead of a SIGBUS later.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ _GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
 IDLE_TRIM_S = 0.02  # below this much spare time per step, never unmap
 IDLE_WORKER_S = 1.0  # a worker with no work this long drops its mappings whatever the loop does
 _READ_REMAP_S_PER_BYTE = 0.1e-9  # faulting a slab's pages back in to read them (main)
-_WRITE_REMAP_S_PER_BYTE = 0.2e-9  # ... to write them (worker, MADV_POPULATE_WRITE)
+_REFILL_S_PER_BYTE = 0.45e-9  # reserving a punched slab again and mapping it (worker: 34 ms
+# for 77 MB on a 2-core Xeon VM, where an unmapped one takes 8 ms to map back)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and writes fault instead
 
 
@@ -119,9 +124,11 @@ def _too_many_files(doing: str) -> RuntimeError:
 @dataclass
 class _OwnedSlab:
     mm: mmap.mmap
+    fd: int  # kept to reserve the space again after its pages went back (punched)
     capacity: int
     address: int
-    trimmed: bool = False
+    trimmed: bool = False  # this process maps none of its pages
+    punched: bool = False  # its pages went back to the system: reserve them before a write
 
 
 class SlabWriter:
@@ -139,29 +146,44 @@ class SlabWriter:
         self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
         self._retired: list[int] = []  # closed here, not yet reported to the main process
         self._began = 0.0
+        self._spare = False  # the last batch left time to give memory back (finish)
         self.loop_spare_s = 0.0  # set from each task: the loop's last step outside next()
 
     @property
     def gather(self):
         return self._native.gather
 
-    def apply(self, release: list[int], destroy: list[int]) -> None:
-        """Take back slabs the main process no longer views; drop the ones it retired."""
+    def apply(self, release: list[int], destroy: list[int], punched: list[int]) -> None:
+        """Take back slabs the main process no longer views (``punched``: those whose pages it
+        gave back); drop the ones it retired. While batches leave time to spare, a slab that
+        comes back gives its pages back at once."""
         self._free.extend(release)
+        for slab_id in punched:
+            self._slabs[slab_id].punched = self._slabs[slab_id].trimmed = True
+        if self._spare:
+            self._punch(release)
         for slab_id in destroy:
-            _close_quietly(self._slabs.pop(slab_id).mm)
+            self._close(self._slabs.pop(slab_id))
 
     def begin(self) -> None:
         self._batch = []
         self._began = time.monotonic()
 
     def trim(self) -> None:
-        """Stop mapping every slab's pages: batches waiting for the loop and free slabs then
-        count in no process until they are used (the next write maps a slab back)."""
+        """Stop mapping every slab's pages, and give free slabs' pages back to the system:
+        batches waiting for the loop count in no process, and free slabs take no memory,
+        until they are used (the next write reserves and maps a slab back)."""
         for slab in self._slabs.values():
             if not slab.trimmed:
                 _advise(slab.mm, mmap.MADV_DONTNEED)
                 slab.trimmed = True
+        self._punch(self._free)
+
+    def _punch(self, slab_ids: list[int]) -> None:
+        for slab_id in slab_ids:
+            slab = self._slabs[slab_id]
+            if not slab.punched:
+                slab.punched = slab.trimmed = _advise(slab.mm, mmap.MADV_REMOVE)
 
     def alloc(self, nbytes: int) -> tuple[int, int, memoryview]:
         """A writable region of ``nbytes`` for the current batch: (slab id, offset, view)."""
@@ -190,20 +212,17 @@ class SlabWriter:
         nbytes = sum(n for _, n in self._batch)
         self._expected = max(self._expected, nbytes)
         self._retire_small()
-        remap_s = _WRITE_REMAP_S_PER_BYTE * nbytes
-        if (self._config.slab_memory == "lean"
-                or self.loop_spare_s >= max(IDLE_TRIM_S, 3 * remap_s)
-                or time.monotonic() - self._began >= 20 * remap_s):
-            self.trim()  # a paced loop, or a slow batch (decoding), leaves time to remap
+        refill_s = _REFILL_S_PER_BYTE * nbytes
+        # a paced loop, or a slow batch (decoding), leaves time to reserve and map slabs again
+        self._spare = (self._config.slab_memory == "lean"
+                       or self.loop_spare_s >= max(IDLE_TRIM_S, 3 * refill_s)
+                       or time.monotonic() - self._began >= 20 * refill_s)
+        if self._spare:
+            self.trim()
         self._batch = []
         created, self._created = self._created, []
         if created:
-            fds = [fd for _, _, fd in created]
-            try:
-                socket.send_fds(self._fd_sock, [bytes([len(fds)])], fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            socket.send_fds(self._fd_sock, [bytes([len(created)])], [fd for _, _, fd in created])
         retired, self._retired = self._retired, []
         return used, [(slab_id, capacity) for slab_id, capacity, _ in created], retired
 
@@ -213,7 +232,7 @@ class SlabWriter:
         the big slabs instead and every batch created a new one."""
         for slab_id in [i for i in self._free if self._slabs[i].capacity < self._expected]:
             self._free.remove(slab_id)
-            _close_quietly(self._slabs.pop(slab_id).mm)
+            self._close(self._slabs.pop(slab_id))
             self._retired.append(slab_id)
 
     def _take(self, nbytes: int) -> int:
@@ -228,18 +247,17 @@ class SlabWriter:
             best = min(fitting, key=lambda i: self._slabs[i].capacity)
             self._free.remove(best)
             slab = self._slabs[best]
+            if slab.punched:  # a full /dev/shm is an error here, not a SIGBUS at the write
+                self._reserve(slab.fd, slab.capacity)
+                slab.punched = False
             if slab.trimmed:  # map it back in one call rather than a fault per page
                 _advise(slab.mm, _MADV_POPULATE_WRITE)
                 slab.trimmed = False
             return best
         capacity = _round_up(want, _GRANULE)
-        try:
-            with open_files_guard("creating a shared-memory slab in a worker"):
-                fd = self._native.create_slab(self._config.shm_dir, capacity)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise _shm_error(exc, capacity, self._config.shm_dir) from None
-            raise
+        with self._no_space_is_an_error(capacity), \
+                open_files_guard("creating a shared-memory slab in a worker"):
+            fd = self._native.create_slab(self._config.shm_dir, capacity)
         try:
             with open_files_guard("mapping a shared-memory slab in a worker"):
                 mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -249,16 +267,32 @@ class SlabWriter:
         address = _address(mm)
         slab_id = self._next_id
         self._next_id += 1
-        self._slabs[slab_id] = _OwnedSlab(mm, capacity, address)
+        self._slabs[slab_id] = _OwnedSlab(mm, fd, capacity, address)
         self._created.append((slab_id, capacity, fd))
         return slab_id
 
+    def _reserve(self, fd: int, capacity: int) -> None:
+        with self._no_space_is_an_error(capacity):
+            os.posix_fallocate(fd, 0, capacity)
+
+    @contextlib.contextmanager
+    def _no_space_is_an_error(self, nbytes: int):
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise _shm_error(exc, nbytes, self._config.shm_dir) from None
+            raise
+
+    @staticmethod
+    def _close(slab: _OwnedSlab) -> None:
+        _close_quietly(slab.mm)
+        os.close(slab.fd)
+
     def close(self) -> None:
-        for _, _, fd in self._created:
-            os.close(fd)
         self._created = []
         for slab in self._slabs.values():
-            _close_quietly(slab.mm)
+            self._close(slab)
         self._slabs.clear()
 
 
@@ -282,6 +316,7 @@ class SlabRing:
         # (slab, its fence or None), released by the loop and not yet given back
         self._released: collections.deque[tuple[tuple[int, int], object]] = collections.deque()
         self._mapped_free: set[tuple[int, int]] = set()  # returned slabs this process still maps
+        self._punched: set[tuple[int, int]] = set()  # released, pages given back: tell the worker
         self._last_lend = self._last_step = time.monotonic()
         self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
         self._step_s = 0.0  # how long the loop's last step took, waiting for data included
@@ -340,8 +375,12 @@ class SlabRing:
             self._held.pop(key, None)
             self._unmap(key)
         else:
-            if self._spare_for(key) and self._pin is None:  # as torch frees a batch, at once
-                _advise(self._maps[key], mmap.MADV_DONTNEED)
+            if self._pin is None:  # as torch frees a batch, at once (page-locked ones stay)
+                if self._spare_for(key, give_back=True):
+                    if _advise(self._maps[key], mmap.MADV_REMOVE):
+                        self._punched.add(key)
+                elif self._spare_for(key):
+                    _advise(self._maps[key], mmap.MADV_DONTNEED)
             self._released.append((key, fence))
 
     def step(self) -> None:
@@ -350,10 +389,11 @@ class SlabRing:
         self.loop_spare_s = now - self._last_lend
         self._step_s, self._last_step = now - self._last_step, now
 
-    def _spare_for(self, key: tuple[int, int]) -> bool:
-        """Whether the loop's steps leave time to fault this slab back in later."""
-        cost = _READ_REMAP_S_PER_BYTE * len(self._maps[key])
-        return self._lean or self._step_s >= max(IDLE_TRIM_S, 5 * cost)
+    def _spare_for(self, key: tuple[int, int], give_back: bool = False) -> bool:
+        """Whether the loop's steps leave time to fault this slab back in later (and, to
+        ``give_back`` its pages, for its worker to reserve them again)."""
+        per_byte = _READ_REMAP_S_PER_BYTE + (_REFILL_S_PER_BYTE if give_back else 0.0)
+        return self._lean or self._step_s >= max(IDLE_TRIM_S, 5 * per_byte * len(self._maps[key]))
 
     def forget(self, worker_id: int) -> None:
         """A worker is gone: unmap its free slabs now and its lent ones when they come back."""
@@ -362,9 +402,10 @@ class SlabRing:
             del self._held[key]
             self._unmap(key)
 
-    def drain(self) -> dict[int, tuple[list[int], list[int]]]:
-        """Slabs released since the last call, per worker: (to reuse, to destroy)."""
-        out: dict[int, tuple[list[int], list[int]]] = {}
+    def drain(self) -> dict[int, tuple[list[int], list[int], list[int]]]:
+        """Slabs released since the last call, per worker: (to reuse, to destroy, those to
+        reuse whose pages were given back)."""
+        out: dict[int, tuple[list[int], list[int], list[int]]] = {}
         copying = []
         while self._released:
             key, fence = self._released.popleft()
@@ -378,7 +419,10 @@ class SlabRing:
                 continue
             self._held[key] = False
             free = sum(1 for k, held in self._held.items() if k[0] == worker_id and not held)
-            release, destroy = out.setdefault(worker_id, ([], []))
+            release, destroy, punched = out.setdefault(worker_id, ([], [], []))
+            if key in self._punched:
+                self._punched.discard(key)
+                punched.append(slab_id)
             if free > self._keep:
                 destroy.append(slab_id)
                 del self._held[key]
@@ -423,13 +467,15 @@ def _address(mm: mmap.mmap) -> int:
     return np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
 
 
-def _advise(mm: mmap.mmap, advice: int) -> None:
-    """madvise a whole mapping. Only a hint: a kernel that refuses changes no data, and
-    MADV_DONTNEED on a shared file mapping drops this process's page-table entries only."""
+def _advise(mm: mmap.mmap, advice: int) -> bool:
+    """madvise a whole mapping; whether the kernel took it. Only a hint: a kernel that refuses
+    changes no data. MADV_DONTNEED on a shared file mapping drops this process's page-table
+    entries only; MADV_REMOVE gives the pages back (a hole in the file, unmapped everywhere)."""
     try:
         mm.madvise(advice)
     except (OSError, ValueError):
-        pass
+        return False
+    return True
 
 
 def _close_quietly(mm: mmap.mmap) -> None:

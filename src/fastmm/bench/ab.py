@@ -17,8 +17,9 @@ batch. Then, on that pipeline:
 
 The baseline is torch's DataLoader with the user's settings, untouched. Every other arm changes
 one factor from its parent (``fastmm``: the loader; ``num_workers``, ``prefetch_factor``,
-``pin_memory`` on the baseline; ``slab_memory=lean`` and ``worker_malloc=system`` on
-``fastmm``; for a MultimodalDataset its ``decoder``, ``source`` and ``reduce``). With a step, torch and fastmm also run with the loop
+``pin_memory`` on the baseline; ``slab_memory=lean``, ``worker_malloc=system`` and
+``pure_python`` (the twin in place of fastmm._C) on ``fastmm``; for a MultimodalDataset its
+``decoder``, ``source`` and ``reduce``). With a step, torch and fastmm also run with the loop
 only reading the batches: data-pipeline throughput apart from end to end.
 """
 
@@ -57,7 +58,7 @@ FULL = {"reps": 6, "seconds": 2.0}
 SAME_SEEDS = "the same seeds give the same batches"
 MEMORY_BAR = 1.10  # roll out only while the arm holds at most this much of its parent's memory
 FACTORS = ("fastmm", "num_workers", "prefetch_factor", "pin_memory", "slab_memory",
-           "worker_malloc", "decoder", "source", "reduce")
+           "worker_malloc", "pure_python", "decoder", "source", "reduce")
 CALLS = ("roll out", "keep the baseline", "roll back", "undecided")
 class TargetError(Exception):
     """A --dataset/--step/--collate that cannot be used: one line, exit code 2."""
@@ -283,11 +284,17 @@ def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list
             ("slab_memory", "FASTMM_SLAB_MEMORY", "lean",
              "the slabs are unmapped sooner, not written differently"),
             ("worker_malloc", "FASTMM_WORKER_MALLOC", "system",
-             "where freed memory goes changes, not what is written")):
+             "where freed memory goes changes, not what is written"),
+            ("pure_python", "FASTMM_PURE_PYTHON", "1",
+             "the twin makes the same slabs and copies as fastmm._C")):
         if factor not in wanted:
             continue
         if not nw:
             skipped.append({"arm": factor, "why": "no workers: fastmm's workers' settings"})
+            continue
+        if factor == "pure_python" and not fastmm.uses_cpp():
+            skipped.append({"arm": factor, "why": "fastmm._C is not built here: fastmm "
+                                                  "runs its pure-Python twin already"})
             continue
         out.append(dataclasses.replace(fastmm, name=f"fastmm, {factor}={value}",
                                        environment={variable: value}, parent="fastmm",

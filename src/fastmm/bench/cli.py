@@ -46,7 +46,8 @@ KEPT_PACE = 0.90  # a paced repetition kept pace if the loop waited for batches 
 # The PSS sampler sweeps at most this fraction of the time in paced repetitions: at 50 ms it
 # takes about a core, which on a small machine keeps the workers from holding the pace at all.
 PACED_PSS_MAX_DUTY = 0.2
-MEMORY_TARGET = "fastmm's peak PSS no higher than torch's (peak over idle, medians)"
+MEMORY_TARGET = ("fastmm's host memory held no higher than torch's (peak of its processes' "
+                 "Pss_Anon + Shmem, over idle; paired per round)")
 
 QUICK = {
     "reps": 2,
@@ -258,6 +259,8 @@ def _progress(case: Case, label: str, arm: Arm, fig: dict) -> None:
     parts.append(f"window {fig['window_s']:.2f} s / {fig['batches']} batches")
     if fig.get("first_batch_s") is not None:
         parts.append(f"first batch {fig['first_batch_s']:.2f} s")
+    if fig.get("peak_host_held_bytes") is not None:
+        parts.append(f"host memory held {fig['peak_host_held_bytes'] / 2**20:.0f} MiB")
     if "peak_total_pss_bytes" in fig:
         parts.append(f"peak PSS {fig['peak_total_pss_bytes'] / 2**20:.0f} MiB "
                      f"(+{(fig['peak_total_pss_bytes'] - fig['baseline_pss_bytes']) / 2**20:.0f})")
@@ -361,6 +364,8 @@ def _memory_condition(arms: dict, reps: dict[str, list[dict]], phase: str) -> di
     prefix = "paced_" if phase == "memory-paced" else ""
     torch_reps, fastmm_reps = ([r for r in reps[name] if r["phase"] == phase]
                                for name in ("torch", "fastmm"))
+    held = stats.summarize(stats.paired_ratios(*([r.get("peak_host_held_bytes") for r in reps]
+                                                 for reps in (fastmm_reps, torch_reps))))
     over_idle = stats.summarize(stats.paired_ratios(_over_idle(fastmm_reps), _over_idle(torch_reps)))
     total = stats.summarize(stats.paired_ratios(
         [r["peak_total_pss_bytes"] for r in fastmm_reps], [r["peak_total_pss_bytes"] for r in torch_reps]))
@@ -370,6 +375,8 @@ def _memory_condition(arms: dict, reps: dict[str, list[dict]], phase: str) -> di
     f_total = arms["fastmm"][prefix + "peak_total_pss_bytes"]
     t_shm = arms["torch"][prefix + "peak_shmem_over_baseline_bytes"]
     f_shm = arms["fastmm"][prefix + "peak_shmem_over_baseline_bytes"]
+    t_held = arms["torch"][prefix + "peak_host_held_bytes"]
+    f_held = arms["fastmm"][prefix + "peak_host_held_bytes"]
     if not (t_idle and f_idle):
         return None
     return {
@@ -385,7 +392,11 @@ def _memory_condition(arms: dict, reps: dict[str, list[dict]], phase: str) -> di
             f_idle["median"] / t_idle["median"] if t_idle["median"] > 0 else None
         ),
         "paired_ratios_over_baseline": over_idle,
-        "verdict": stats.verdict(over_idle, 1.0, at_most=True),
+        "torch_host_held_bytes": t_held["median"] if t_held else None,
+        "fastmm_host_held_bytes": f_held["median"] if f_held else None,
+        "paired_ratios_host_held": held,
+        "verdict": stats.verdict(held, 1.0, at_most=True) if held else None,
+        "verdict_on_pss": stats.verdict(over_idle, 1.0, at_most=True),
         "verdict_on_total": stats.verdict(total, 1.0, at_most=True),
         "torch_peak_shmem_over_baseline_bytes": t_shm["median"] if t_shm else None,
         "fastmm_peak_shmem_over_baseline_bytes": f_shm["median"] if f_shm else None,
@@ -416,10 +427,13 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
             "peak_total_pss_bytes": stats.summarize([r.get("peak_total_pss_bytes") for r in memory]),
             "peak_pss_over_baseline_bytes": stats.summarize(_over_idle(memory)),
             "peak_shmem_over_baseline_bytes": stats.summarize(_shmem_over_idle(memory)),
+            "peak_host_held_bytes": stats.summarize([r.get("peak_host_held_bytes") for r in memory]),
             "samples_per_s_with_pss_sampler": stats.summarize([r.get("samples_per_s") for r in memory]),
             "paced_peak_total_pss_bytes": stats.summarize([r.get("peak_total_pss_bytes") for r in paced]),
             "paced_peak_pss_over_baseline_bytes": stats.summarize(_over_idle(paced)),
             "paced_peak_shmem_over_baseline_bytes": stats.summarize(_shmem_over_idle(paced)),
+            "paced_peak_host_held_bytes": stats.summarize(
+                [r.get("peak_host_held_bytes") for r in paced]),
             "paced_samples_per_s": stats.summarize([r.get("samples_per_s") for r in paced]),
             "paced_fetch_wait_s": stats.summarize([r.get("fetch_wait_s") for r in paced]),
         }

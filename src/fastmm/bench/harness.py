@@ -38,6 +38,8 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
+from ..telemetry.sampler import baseline as host_baseline
+from ..telemetry.sampler import smaps_rollup
 from .workloads import Consumer, batch_len, batch_nbytes, first_batch_digest
 
 PSS_INTERVAL_S = 0.05
@@ -116,9 +118,12 @@ def shmem_bytes() -> int | None:
 
 
 class PssSampler(threading.Thread):
-    """Samples PSS (``memory_full_info().pss``) of this process and all its descendants every
-    ``interval`` seconds and keeps the peak of their sum; also the peak of the machine's
-    :func:`shmem_bytes` at the same moments.
+    """Samples PSS of this process and all its descendants every ``interval`` seconds and keeps
+    the peak of their sum; also the peak of the machine's :func:`shmem_bytes` at the same
+    moments, and the peak of the host memory the loader holds (telemetry's
+    ``loader_host_bytes``: the processes' Pss_Anon over this process's before the sampler was
+    made, plus Shmem over its level then), the figure the memory target is judged on: PSS
+    misses batches no process maps (torch's queue), Shmem alone the samples a worker holds.
 
     A sweep is not free: the kernel walks every page table to compute PSS, tens of ms for a
     process with torch loaded. That is why the harness samples in dedicated memory repetitions
@@ -142,6 +147,8 @@ class PssSampler(threading.Thread):
         self.peak_main = 0
         self.peak_workers = 0
         self.peak_shmem = None
+        self.peak_host_held = None
+        self._shm_base, self._anon_base = host_baseline()  # (before the loader's processes)
         self.sweeps = 0
         self.sweep_s = 0.0
         self.cpu_s = 0.0
@@ -153,29 +160,34 @@ class PssSampler(threading.Thread):
             proc = self._procs[pid] = psutil.Process(pid)
         return proc
 
-    def sweep(self) -> tuple[int, int]:
-        """(main PSS, sum of descendants' PSS) now, in bytes."""
+    def sweep(self) -> tuple[int, int, int | None]:
+        """(main PSS, sum of descendants' PSS, everyone's Pss_Anon or None) now, in bytes."""
         me = self._process(self.main_pid)
-        main = me.memory_full_info().pss
+        main, anon, _ = smaps_rollup(self.main_pid)
         others = 0
         try:
             children = me.children(recursive=True)
         except psutil.NoSuchProcess:
             children = []
         for child in children:
-            try:
-                others += self._process(child.pid).memory_full_info().pss
-                self.pids_seen.add(child.pid)
-            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            figures = smaps_rollup(child.pid)
+            if figures is None:  # gone
                 self._procs.pop(child.pid, None)
-        return main, others
+                continue
+            others += figures[0]
+            anon = None if anon is None or figures[1] is None else anon + figures[1]
+            self.pids_seen.add(child.pid)
+        return main, others, anon
 
-    def _record(self, main: int, others: int) -> None:
+    def _record(self, main: int, others: int, anon: int | None) -> None:
         if main + others > self.peak_total:
             self.peak_total, self.peak_main, self.peak_workers = main + others, main, others
         shmem = shmem_bytes()
         if shmem is not None and (self.peak_shmem is None or shmem > self.peak_shmem):
             self.peak_shmem = shmem
+        if shmem is not None and anon is not None and self._anon_base is not None:
+            held = anon - self._anon_base + max(0, shmem - self._shm_base)
+            self.peak_host_held = max(held, self.peak_host_held or held)
 
     def run(self) -> None:
         cpu0 = time.thread_time()
@@ -205,6 +217,7 @@ class PssSampler(threading.Thread):
             "pss_processes_seen": 1 + len(self.pids_seen),
             "pss_max_duty": self.max_duty,
             "peak_shmem_bytes": self.peak_shmem,
+            "peak_host_held_bytes": self.peak_host_held,
         }
 
 
@@ -321,7 +334,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
     baseline = None
     if sample_pss:
         sampler = PssSampler(max_duty=pss_max_duty)
-        baseline = sum(sampler.sweep())
+        baseline = sum(sampler.sweep()[:2])
         baseline_shmem = shmem_bytes()
     load1 = os.getloadavg()[0]
     rounds = max(1, num_workers)

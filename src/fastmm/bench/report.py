@@ -110,10 +110,15 @@ def method(consume: str) -> dict:
         "intervals: back to back it would take about a core and the workers of a 2-core machine "
         "could not hold the pace; the plateau of full buffers lasts most of each step, so sparser "
         "samples still find it",
-        "memory_target": "fastmm's peak PSS no higher than torch's, judged per condition on the "
-        "ratios fastmm/torch of peak PSS over idle in each round (their repetitions ran back to "
-        "back); verdict_on_total judges peak total PSS the same way; paced.conclusive is false "
-        "when a loader did not keep pace (its buffers were not full)",
+        "memory_target": "fastmm's host memory held no higher than torch's, judged per "
+        "condition on the ratios fastmm/torch of peak host memory held in each round (their "
+        "repetitions ran back to back). Host memory held (peak_host_held_bytes): the Pss_Anon of "
+        "this process and its descendants over this process's before the loader, plus the "
+        "machine's Shmem over its level then: what is the loader's alone, and the shared memory "
+        "it holds whether or not a process maps it (PSS misses torch's queued batches, Shmem "
+        "the samples a worker holds). verdict_on_pss and verdict_on_total judge peak PSS over "
+        "idle and peak total PSS the same way; paced.conclusive is false when a loader did not "
+        "keep pace (its buffers were not full)",
         "verdicts": "a target is met when the interval of the median paired ratio (statistics) "
         "lies wholly on the target's side, NOT met when it lies wholly on the other, and "
         "not shown when it straddles the target (the repetitions cannot tell); one repetition's "
@@ -158,24 +163,21 @@ def _rows(case: dict) -> list[list[str]]:
                 _one(a["bytes_per_s"], 1e-9),
                 f"{rate['median'] / torch_rate:.2f}x" if rate and torch_rate else "-",
                 _rate(a["first_batch_s"], digits=2),
-                _pss(a),
-                _pss(a, "paced_"),
+                _held(a),
+                _held(a, "paced_"),
                 _one(a["cpu_ms_per_sample"], 1.0, 2),
             ]
         )
     return rows
 
 
-def _pss(arm: dict, prefix: str = "") -> str:
-    peak, added = arm[prefix + "peak_total_pss_bytes"], arm[prefix + "peak_pss_over_baseline_bytes"]
-    if not peak:
-        return "-"
-    return f"{peak['median'] / 2**20:.0f} (+{added['median'] / 2**20:.0f})"
+def _held(arm: dict, prefix: str = "") -> str:
+    held = arm.get(prefix + "peak_host_held_bytes")
+    return f"{held['median'] / 2**20:.0f}" if held else "-"
 
 
 HEADER = ["arm", "samples/s median [min-max]", "GB/s", "vs torch", "first batch s",
-          "peak PSS MiB (+over idle), full speed", "peak PSS MiB (+over idle), paced",
-          "CPU ms/sample"]
+          "host memory held MiB, full speed", "host memory held MiB, paced", "CPU ms/sample"]
 
 
 def _mib(value: float) -> str:
@@ -223,22 +225,24 @@ def _memory_notes(case: dict) -> list[str]:
         if not c:
             continue
         ratio = c["ratio_over_baseline_fastmm_over_torch"]
+        held = (c["torch_host_held_bytes"], c["fastmm_host_held_bytes"])
         text = (
-            f"peak PSS {label}: torch {_mib(c['torch_peak_total_pss_bytes'])} MiB "
-            f"(+{_mib(c['torch_peak_pss_over_baseline_bytes'])} over idle), fastmm "
-            f"{_mib(c['fastmm_peak_total_pss_bytes'])} MiB "
-            f"(+{_mib(c['fastmm_peak_pss_over_baseline_bytes'])}); fastmm/torch over idle "
-            f"{f'{ratio:.2f}x' if ratio is not None else '-'}; target (fastmm's peak PSS no higher "
-            f"than torch's): "
+            f"host memory held {label}: "
+            + (f"torch {_mib(held[0])} MiB, fastmm {_mib(held[1])} MiB; "
+               if None not in held else "not measured here (no Pss_Anon: Linux < 5.8); ")
+            + "target (fastmm's no higher than torch's): "
             + (
                 f"INCONCLUSIVE (a loader did not keep pace; the figures say "
-                f"{_verdict(c['verdict'], c['paired_ratios_over_baseline'])})"
+                f"{_verdict(c['verdict'], c['paired_ratios_host_held'])})"
                 if c.get("conclusive") is False
-                else _verdict(c["verdict"], c["paired_ratios_over_baseline"])
+                else _verdict(c["verdict"], c["paired_ratios_host_held"])
             )
+            + f"; peak PSS: torch {_mib(c['torch_peak_total_pss_bytes'])} MiB "
+            f"(+{_mib(c['torch_peak_pss_over_baseline_bytes'])} over idle), fastmm "
+            f"{_mib(c['fastmm_peak_total_pss_bytes'])} MiB "
+            f"(+{_mib(c['fastmm_peak_pss_over_baseline_bytes'])}), fastmm/torch over idle "
+            f"{f'{ratio:.2f}x' if ratio is not None else '-'} ({c['verdict_on_pss']} on PSS)"
         )
-        if c["verdict"] != c["verdict_on_total"]:
-            text += f" (on peak total PSS: {c['verdict_on_total']})"
         rates = (c["torch_samples_per_s"], c["fastmm_samples_per_s"])
         if None not in rates:
             text += f"; loop rate with the sampler on: torch {rates[0]:.0f}/s, fastmm {rates[1]:.0f}/s"
@@ -248,10 +252,10 @@ def _memory_notes(case: dict) -> list[str]:
                      f"over idle: torch +{_mib(shm[0])} MiB, fastmm +{_mib(shm[1])} MiB")
         if key == "max_throughput" and c["verdict"] not in ("met", None) and None not in rates \
                 and rates[1] > rates[0]:
-            text += (f"; known cause: flat out (fastmm's loop {rates[1] / rates[0]:.1f}x torch's "
-                     "here) each worker keeps its prefetch_factor + 1 slabs mapped, where torch's "
-                     "queued batches are mapped by no process; FASTMM_SLAB_MEMORY=lean trades "
-                     "speed for torch's peak (docs/loader.md, \"Shared memory it needs\")")
+            text += (f"; flat out (fastmm's loop {rates[1] / rates[0]:.1f}x torch's here) each "
+                     "worker keeps its slabs, where torch frees each batch's segment; "
+                     "FASTMM_SLAB_MEMORY=lean trades speed for memory (docs/loader.md, "
+                     "\"Shared memory it needs\")")
         notes.append(text)
     return notes
 

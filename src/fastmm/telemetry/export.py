@@ -8,7 +8,7 @@ import json
 import os
 
 from .metrics import METRICS
-from .recorder import STAGES
+from .recorder import SAMPLE_COPY, STAGES
 
 MAIN_TID, GPU_TID = 0, 1000
 
@@ -77,7 +77,9 @@ def chrome_trace(spans, loop_events, gpu_events, series, t0_ns: int, loader: str
     for row, code, start, end, value in spans.tolist():
         event = {"ph": "X", "name": STAGES[code], "pid": pid, "tid": row or MAIN_TID,
                  "ts": (start - t0_ns) / 1e3, "dur": (end - start) / 1e3}
-        if value:
+        if value == SAMPLE_COPY:
+            event["args"] = {"copies": "one sample into its batch"}
+        elif value:
             event["args"] = {"bytes" if STAGES[code] == "read" else "samples": value}
         events.append(event)
     for name, start, end in loop_events:

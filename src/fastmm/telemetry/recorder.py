@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 from .._shared import row_of, this_worker
+from .._streaming import copy_spans, sample_by_sample
 from .._wrappers import all_wrapped
 
 STAGES = ("sample", "read", "decode", "augment", "collate")
 _CODE = {name: i for i, name in enumerate(STAGES)}
 _SAMPLE, _COLLATE = _CODE["sample"], _CODE["collate"]
+SAMPLE_COPY = -1  # the value of a collate span that copied one sample into its batch
 _FIELDS = 4  # stage code, start ns, end ns, value (bytes read, samples collated)
 _RECORD = struct.Struct("=4q")
 _records_struct = functools.lru_cache(maxsize=256)(lambda n: struct.Struct(f"={4 * n}q"))
@@ -237,8 +239,12 @@ def _timed_collate(log: SpanLog, fn, batch):
         _unwritten.write()
     start = time.monotonic_ns()
     out = fn(batch)
-    log.write(row, _COLLATE, start, time.monotonic_ns(),
-              len(batch) if hasattr(batch, "__len__") else 0)
+    end = time.monotonic_ns()
+    copies = copy_spans()  # samples copied into the batch as they came
+    if copies:
+        log.write_records(row, [x for i in range(0, len(copies), 2)
+                                for x in (_COLLATE, copies[i], copies[i + 1], SAMPLE_COPY)])
+    log.write(row, _COLLATE, start, end, len(batch) if hasattr(batch, "__len__") else 0)
     if row:
         log.note_reads(row)  # once a batch: what the worker has read so far
     return out
@@ -323,11 +329,14 @@ class TimedDataset(_Forwarding, torch.utils.data.Dataset):
                 start = end
             else:
                 items = []
-            for index in indices[first:stop]:
-                items.append(inner[index])
-                end = clock()
-                records += (_SAMPLE, start, end, 0)
-                start = end
+            with sample_by_sample() as put:  # (copies into the batch: collate spans)
+                for position in range(first, stop):
+                    item = inner[indices[position]]
+                    end = clock()
+                    records += (_SAMPLE, start, end, 0)
+                    placed = put(item, position)
+                    items.append(placed)
+                    start = end if placed is item else clock()
             if stop < n:
                 items += [inner[index] for index in indices[stop:]]
                 end = clock()

@@ -26,8 +26,8 @@ import torch
 
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, Distribution
-from .recorder import (_COLLATE, _SAMPLE, STAGES, SpanLog, TimedCollate, _Forwarding, deactivate,
-                       rchar, wrap_dataset)
+from .recorder import (_COLLATE, _SAMPLE, SAMPLE_COPY, STAGES, SpanLog, TimedCollate,
+                       _Forwarding, deactivate, rchar, wrap_dataset)
 from .sampler import Sampler, baseline
 
 
@@ -76,6 +76,7 @@ class Telemetry:
         self._spans: list = []  # drained worker/main spans (numpy blocks), with trace only
         self._stages = {name: Distribution() for name in STAGES}
         self._sample_runs_s = 0.0  # samples fetched together, timed as one (recorder.py)
+        self._copies_s: dict[int, float] = {}  # per worker row: copies not yet in a batch
         self._loop = {k: Distribution() for k in (
             "queue_wait_s", "step_s", "first_batch_s", "epoch_start_s", "h2d_s")}
         self._loop_events: list[tuple[str, int, int]] = []  # (name, start ns, end ns) for trace
@@ -163,13 +164,28 @@ class Telemetry:
             if self.trace:
                 self._spans.append(block)
             codes, seconds = block[:, 1], (block[:, 3] - block[:, 2]) / 1e9
-            self._collated += int(block[codes == _COLLATE, 4].sum())
+            self._collated += int(np.maximum(block[codes == _COLLATE, 4], 0).sum())
             runs = (codes == _SAMPLE) & (block[:, 4] > 0)  # samples timed together
             self._sample_runs_s += float(seconds[runs].sum())
-            codes, seconds = codes[~runs], seconds[~runs]
+            collates = codes == _COLLATE
+            self._stages["collate"].extend(self._per_batch(block[collates], seconds[collates]))
+            keep = ~runs & ~collates
+            codes, seconds = codes[keep], seconds[keep]
             for code in np.flatnonzero(np.bincount(codes, minlength=len(STAGES))).tolist():
                 self._stages[STAGES[code]].extend(seconds[codes == code])
         self._resolve_gpu(wait=False)
+
+    def _per_batch(self, spans: np.ndarray, seconds: np.ndarray) -> list[float]:
+        """Collate seconds per batch: a worker's spans that copied a sample into its batch as
+        it came (SAMPLE_COPY, collate.py) count in its next batch's collate span."""
+        out = []
+        carry = self._copies_s
+        for row, value, s in zip(spans[:, 0].tolist(), spans[:, 4].tolist(), seconds.tolist()):
+            if value != SAMPLE_COPY:
+                out.append(s + carry.pop(row, 0.0))
+            else:
+                carry[row] = carry.get(row, 0.0) + s
+        return out
 
     def _epoch(self, loader, iterate) -> "_EpochIterator":
         """The loop's view of one epoch (see _EpochIterator)."""
