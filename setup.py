@@ -25,7 +25,7 @@ class OptionalBuildExt(build_ext):
     def _warn(exc):
         print(
             f"WARNING: fastmm._C was not built ({exc}); the pure-Python path will be used "
-            "(same behaviour, slower collation).",
+            "(same behaviour, slower copies of large samples into shared memory).",
             file=sys.stderr,
         )
 

@@ -150,7 +150,8 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastmm._C", "fastmm's C++ slab and collation core.",
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastmm._C",
+                      "fastmm's C++ core: shared-memory slabs, and copies into them past the cache.",
                       -1, methods};
 
 }  // namespace

@@ -241,9 +241,11 @@ def test_quick_samples_timed_in_runs_still_count_in_the_pipeline_rate(loader_cls
     assert 40 <= m["sample_s"]["count"] < 40 * 256  # at least one a batch timed alone
     assert m["sample_s"]["p50"] >= 5e-6
     # what workers fetching nonstop make, by the median sample: one preemption (4 ms here)
-    # inside a sample timed alone moves the mean of a thousand by several us
+    # inside a sample timed alone moves the mean of a thousand by several us, and a sample
+    # timed alone in a busy 2-core worker was seen to take up to 1.5x a run's mean (a run is
+    # a tight loop); without the runs the rate would be several times the bound
     rate_bound = max(1, workers) / m["sample_s"]["p50"]
-    assert m["samples_per_s"] <= 1.25 * rate_bound, (m["samples_per_s"], rate_bound)
+    assert m["samples_per_s"] <= 1.6 * rate_bound, (m["samples_per_s"], rate_bound)
 
 
 class AnyIterableBatches:

@@ -29,7 +29,8 @@ def fetching(batch):
         _current = None
 
 
-def _unchanged(sample, position: int):
+def no_batch(sample, position: int):
+    """What ``sample_by_sample`` gives where no batch streams: the sample, unchanged."""
     return sample
 
 
@@ -42,7 +43,7 @@ def sample_by_sample():
     global _current
     batch, _current = _current, None
     try:
-        yield batch.put if batch is not None else _unchanged
+        yield batch.put if batch is not None else no_batch
     finally:
         _current = batch
 

@@ -95,15 +95,18 @@ class _StreamedBatch:
         self._slots: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._taken: set[tuple[int, int]] = set()  # (id(out), place)
         self.copy_spans: list[int] = []  # start and end (ns) of each sample's copies, flat
+        self._none_stream = False
 
     def put(self, sample, position: int):
         """``sample`` with each of its tensors that streams replaced by a view of its slot."""
-        if sample is None or not 0 <= position < self.size:
+        if sample is None or not 0 <= position < self.size or self._none_stream:
             return sample
         start = time.monotonic_ns()
         placed = self._place(sample, (), position)
         if placed is not sample:
             self.copy_spans += (start, time.monotonic_ns())
+        # the first sample decides each leaf: when none of its tensors streams, none will
+        self._none_stream = all(out is None for out in self._outs.values())
         return placed
 
     def _place(self, x, path: tuple, position: int):

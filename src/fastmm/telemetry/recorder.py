@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .._shared import row_of, this_worker
-from .._streaming import copy_spans, sample_by_sample
+from .._streaming import copy_spans, no_batch, sample_by_sample
 from .._wrappers import all_wrapped
 
 STAGES = ("sample", "read", "decode", "augment", "collate")
@@ -329,14 +329,19 @@ class TimedDataset(_Forwarding, torch.utils.data.Dataset):
                 start = end
             else:
                 items = []
-            with sample_by_sample() as put:  # (copies into the batch: collate spans)
-                for position in range(first, stop):
-                    item = inner[indices[position]]
-                    end = clock()
-                    records += (_SAMPLE, start, end, 0)
-                    placed = put(item, position)
-                    items.append(placed)
-                    start = end if placed is item else clock()
+            with sample_by_sample() as put:
+                if put is no_batch:  # every sample's time, back to back
+                    for index in indices[first:stop]:
+                        items.append(inner[index])
+                        end = clock()
+                        records += (_SAMPLE, start, end, 0)
+                        start = end
+                else:  # each sample goes into the batch between spans (collate spans of its own)
+                    for position in range(first, stop):
+                        item = inner[indices[position]]
+                        records += (_SAMPLE, start, clock(), 0)
+                        items.append(put(item, position))
+                        start = clock()
             if stop < n:
                 items += [inner[index] for index in indices[stop:]]
                 end = clock()
