@@ -46,6 +46,7 @@ from .config import TransportConfig
 _ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
 _GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
 IDLE_TRIM_S = 0.02  # below this much spare time per step, never unmap
+PACE_STEPS = 4  # the loop's last steps whose mean is its pace, for giving pages back
 IDLE_WORKER_S = 1.0  # a worker with no work this long drops its mappings whatever the loop does
 _READ_REMAP_S_PER_BYTE = 0.1e-9  # faulting a slab's pages back in to read them (main)
 _REFILL_S_PER_BYTE = 0.45e-9  # reserving a punched slab again and mapping it (worker: 34 ms
@@ -320,6 +321,9 @@ class SlabRing:
         self._last_lend = self._last_step = time.monotonic()
         self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
         self._step_s = 0.0  # how long the loop's last step took, waiting for data included
+        # and the last few: the pace (batches of several workers come in bursts, each step of a
+        # burst short, where the loop's pace is their mean)
+        self._steps_s: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
         self._closed = False
         self._gone: set[int] = set()  # workers that died (on_worker_failure="respawn")
         _raise_fd_limit()
@@ -388,12 +392,15 @@ class SlabRing:
         now = time.monotonic()
         self.loop_spare_s = now - self._last_lend
         self._step_s, self._last_step = now - self._last_step, now
+        self._steps_s.append(self._step_s)
 
     def _spare_for(self, key: tuple[int, int], give_back: bool = False) -> bool:
         """Whether the loop's steps leave time to fault this slab back in later (and, to
         ``give_back`` its pages, for its worker to reserve them again)."""
         per_byte = _READ_REMAP_S_PER_BYTE + (_REFILL_S_PER_BYTE if give_back else 0.0)
-        return self._lean or self._step_s >= max(IDLE_TRIM_S, 5 * per_byte * len(self._maps[key]))
+        step_s = sum(self._steps_s) / len(self._steps_s) if give_back and self._steps_s \
+            else self._step_s
+        return self._lean or step_s >= max(IDLE_TRIM_S, 5 * per_byte * len(self._maps[key]))
 
     def forget(self, worker_id: int) -> None:
         """A worker is gone: unmap its free slabs now and its lent ones when they come back."""
