@@ -48,6 +48,7 @@ import torch.utils.data
 import fastmm
 
 from ..dataset import MultimodalDataset
+from ..slabs import uses_cpp
 from ..telemetry import Telemetry
 from . import ab_page, env, harness, options, stats
 from .report import BUSY_CORES
@@ -292,7 +293,7 @@ def arms(args, dataset, has_step: bool, stage_dir: str) -> tuple[list[Arm], list
         if not nw:
             skipped.append({"arm": factor, "why": "no workers: fastmm's workers' settings"})
             continue
-        if factor == "pure_python" and not fastmm.uses_cpp():
+        if factor == "pure_python" and not uses_cpp():
             skipped.append({"arm": factor, "why": "fastmm._C is not built here: fastmm "
                                                   "runs its pure-Python twin already"})
             continue
