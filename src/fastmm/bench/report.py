@@ -426,12 +426,15 @@ def finding(results: dict) -> dict | None:
             "samples/s (paired per repetition)"
             + (f"; first batch in {first['fastmm']:.2f} s (torch {first['torch']:.2f} s)"
                if len(first) == 2 else "") + ".")
-    paced = (s.get("memory") or {}).get("paced")
-    if paced and paced["paired_ratios_over_baseline"]:
-        text += (" Peak memory over idle, paced (PSS), fastmm over torch: "
-                 f"{stats.interval(paced['paired_ratios_over_baseline'], 2, 'x')}"
-                 + ("" if paced.get("conclusive", True) else
-                    " (inconclusive: a loader did not keep pace)") + ".")
+    memory = s.get("memory") or {}
+    held = [(label, memory[key]) for key, label in (("max_throughput", "at full speed"),
+                                                    ("paced", "paced"))
+            if memory.get(key) and memory[key].get("paired_ratios_host_held")]
+    if held:
+        text += (" Host memory held (Pss_Anon + Shmem over idle), fastmm over torch: " + "; ".join(
+            f"{label} {stats.interval(c['paired_ratios_host_held'], 2, 'x')}"
+            + ("" if c.get("conclusive", True) else " (inconclusive: a loader did not keep pace)")
+            for label, c in held) + ".")
     if others:
         text += " Also: " + "; ".join(
             f"{c['name']} {stats.interval(c['summary']['paired_ratios_fastmm_over_torch'], 2, 'x')}"

@@ -4,7 +4,7 @@ machine, each study's finding with its call), then a section per part with its k
 link to its own report. Parts (each its own process, its own environment record and report):
 
 1. ``loader``: torch's DataLoader and fastmm's side by side on the same Dataset (fastmm-bench:
-   batches of clips from memory, where transport is the work; throughput, peak PSS, first
+   batches of clips from memory, where transport is the work; throughput, host memory held, first
    batch);
 2. ``pipeline``: a decode-bound image pipeline end to end on a training step, torch's loader
    against fastmm's (fastmm-bench on examples/image_folder.py): the headline figures;
