@@ -90,7 +90,6 @@ class _StreamedBatch:
     def __init__(self, size: int):
         self.size = size
         self._outs: dict[tuple, torch.Tensor | None] = {}  # per leaf: (size, *shape) in a slab
-        self._regions: dict[int, memoryview] = {}  # id(out) -> the slab region it views
         # id(slot view) -> (out, place, the view: kept alive, so no id is reused in a batch)
         self._slots: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._taken: set[tuple[int, int]] = set()  # (id(out), place)
@@ -140,7 +139,6 @@ class _StreamedBatch:
                 _, _, view = _writer.alloc(numel * t.element_size())
                 out = torch.frombuffer(view, dtype=t.dtype, count=numel)
                 out = out.view(self.size, *t.shape)
-                self._regions[id(out)] = view
             self._outs[path] = out
         if (out is None or t.dtype != out.dtype or t.shape != out.shape[1:]
                 or not _plain_cpu_tensor(t) or id(t) in self._slots
@@ -148,9 +146,7 @@ class _StreamedBatch:
             return t
         slot = out[position]
         if t.is_contiguous():  # past the cache (fastmm._C): another process reads it
-            nbytes = t.numel() * t.element_size()
-            source = t.reshape(-1).view(torch.uint8).numpy()
-            _writer.gather(self._regions[id(out)], position * nbytes, [source], nbytes)
+            _writer.gather(_raw_bytes(slot), 0, [_raw_bytes(t)], t.numel() * t.element_size())
         else:
             copy_into(slot, t)
         self._taken.add((id(out), position))
@@ -183,6 +179,11 @@ class _StreamedBatch:
             elif entry[1] != position:
                 out[position].copy_(out[entry[1]])
         return out[: len(batch)]
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's memory as a flat uint8 array (any dtype, bfloat16 too)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def streaming(size: int | None):

@@ -320,9 +320,8 @@ class SlabRing:
         self._punched: set[tuple[int, int]] = set()  # released, pages given back: tell the worker
         self._last_lend = self._last_step = time.monotonic()
         self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
-        self._step_s = 0.0  # how long the loop's last step took, waiting for data included
-        # and the last few: the pace (batches of several workers come in bursts, each step of a
-        # burst short, where the loop's pace is their mean)
+        # how long the loop's last few steps took, waiting for data included: the last one, and
+        # their mean, the pace (batches of several workers come in bursts, each step short)
         self._steps_s: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
         self._closed = False
         self._gone: set[int] = set()  # workers that died (on_worker_failure="respawn")
@@ -391,15 +390,15 @@ class SlabRing:
         """The loop asks for its next batch: time its step, and what it did since the last one."""
         now = time.monotonic()
         self.loop_spare_s = now - self._last_lend
-        self._step_s, self._last_step = now - self._last_step, now
-        self._steps_s.append(self._step_s)
+        self._steps_s.append(now - self._last_step)
+        self._last_step = now
 
     def _spare_for(self, key: tuple[int, int], give_back: bool = False) -> bool:
         """Whether the loop's steps leave time to fault this slab back in later (and, to
         ``give_back`` its pages, for its worker to reserve them again)."""
         per_byte = _READ_REMAP_S_PER_BYTE + (_REFILL_S_PER_BYTE if give_back else 0.0)
-        step_s = sum(self._steps_s) / len(self._steps_s) if give_back and self._steps_s \
-            else self._step_s
+        steps = self._steps_s or [0.0]
+        step_s = sum(steps) / len(steps) if give_back else steps[-1]
         return self._lean or step_s >= max(IDLE_TRIM_S, 5 * per_byte * len(self._maps[key]))
 
     def forget(self, worker_id: int) -> None:

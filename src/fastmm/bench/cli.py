@@ -364,8 +364,9 @@ def _memory_condition(arms: dict, reps: dict[str, list[dict]], phase: str) -> di
     prefix = "paced_" if phase == "memory-paced" else ""
     torch_reps, fastmm_reps = ([r for r in reps[name] if r["phase"] == phase]
                                for name in ("torch", "fastmm"))
-    held = stats.summarize(stats.paired_ratios(*([r.get("peak_host_held_bytes") for r in reps]
-                                                 for reps in (fastmm_reps, torch_reps))))
+    held = stats.summarize(stats.paired_ratios(
+        [r.get("peak_host_held_bytes") for r in fastmm_reps],
+        [r.get("peak_host_held_bytes") for r in torch_reps]))
     over_idle = stats.summarize(stats.paired_ratios(_over_idle(fastmm_reps), _over_idle(torch_reps)))
     total = stats.summarize(stats.paired_ratios(
         [r["peak_total_pss_bytes"] for r in fastmm_reps], [r["peak_total_pss_bytes"] for r in torch_reps]))

@@ -39,7 +39,7 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from ..telemetry.sampler import baseline as host_baseline
-from ..telemetry.sampler import smaps_rollup
+from ..telemetry.sampler import host_held, smaps_rollup
 from .workloads import Consumer, batch_len, batch_nbytes, first_batch_digest
 
 PSS_INTERVAL_S = 0.05
@@ -141,38 +141,30 @@ class PssSampler(threading.Thread):
         self.max_duty = max_duty
         self._random = random.Random(seed)
         self._stop_event = threading.Event()
-        self._procs: dict[int, psutil.Process] = {}
         self.main_pid = os.getpid()
+        self._main = psutil.Process(self.main_pid)
         self.peak_total = 0
         self.peak_main = 0
         self.peak_workers = 0
         self.peak_shmem = None
         self.peak_host_held = None
-        self._shm_base, self._anon_base = host_baseline()  # (before the loader's processes)
+        self._base = host_baseline()  # (before the loader's processes)
         self.sweeps = 0
         self.sweep_s = 0.0
         self.cpu_s = 0.0
         self.pids_seen: set[int] = set()
 
-    def _process(self, pid: int) -> psutil.Process:
-        proc = self._procs.get(pid)
-        if proc is None:
-            proc = self._procs[pid] = psutil.Process(pid)
-        return proc
-
     def sweep(self) -> tuple[int, int, int | None]:
         """(main PSS, sum of descendants' PSS, everyone's Pss_Anon or None) now, in bytes."""
-        me = self._process(self.main_pid)
         main, anon, _ = smaps_rollup(self.main_pid)
         others = 0
         try:
-            children = me.children(recursive=True)
+            children = self._main.children(recursive=True)
         except psutil.NoSuchProcess:
             children = []
         for child in children:
             figures = smaps_rollup(child.pid)
             if figures is None:  # gone
-                self._procs.pop(child.pid, None)
                 continue
             others += figures[0]
             anon = None if anon is None or figures[1] is None else anon + figures[1]
@@ -185,8 +177,8 @@ class PssSampler(threading.Thread):
         shmem = shmem_bytes()
         if shmem is not None and (self.peak_shmem is None or shmem > self.peak_shmem):
             self.peak_shmem = shmem
-        if shmem is not None and anon is not None and self._anon_base is not None:
-            held = anon - self._anon_base + max(0, shmem - self._shm_base)
+        if shmem is not None and anon is not None and self._base[1] is not None:
+            held = host_held(anon, shmem, self._base)
             self.peak_host_held = max(held, self.peak_host_held or held)
 
     def run(self) -> None:

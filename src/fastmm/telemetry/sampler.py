@@ -43,6 +43,13 @@ def smaps_rollup(pid: int) -> tuple[int, int | None, int] | None:
     return kib[b"Pss:"] << 10, None if anon is None else anon << 10, uss << 10
 
 
+def host_held(anon: int, shmem: int, base: tuple[int, int]) -> int:
+    """``loader_host_bytes``: the loader's processes' Pss_Anon (``anon``, summed) over the main
+    process's in ``base``, plus the host's Shmem over the level in ``base`` (``baseline()``)."""
+    shm_base, anon_base = base
+    return anon - anon_base + max(0, shmem - shm_base)
+
+
 def baseline() -> tuple[int, int | None]:
     """(host Shmem, this process's Pss_Anon) in bytes: what ``loader_host_bytes`` counts from,
     read just before an epoch's iterator is made (before any worker or slab of it exists)."""
@@ -183,7 +190,7 @@ class Sampler:
         if with_pss:
             anon = row["pss_anon_bytes"]
             row["loader_host_bytes"] = (
-                sum(anon) - self._anon_base + row["shm_bytes"]
+                host_held(sum(anon), memory.shared, (self._shm_base, self._anon_base))
                 if self._anon_base is not None and None not in anon else None)
         row["net_recv_bytes"] = _net_recv() - self._net_base
         if self._nvml is not None:
