@@ -10,6 +10,8 @@ Targets:
           valid index of that shard or ignored (the shard is scanned again); reads never fail.
   gather  fastmm._C.gather against the twin on any buffer sizes, offsets and strides (full
           64-bit range): the same bytes written or the same error, never a crash.
+  planes  fastmm._C.planes against the twin and NumPy on channels-last views of any shape,
+          crop and step (and on views it must refuse): the same bytes or the same error.
   layout  the slab layout tables a worker sends with a batch (collate.unpack): any table gives
           tensors inside the slabs they name or a ValueError, never a read outside them.
   state   a loader's state_dict damaged a field at a time (a checkpoint edited or cut):
@@ -29,6 +31,7 @@ import base64
 import copy
 import io
 import json
+import math
 import os
 import struct
 import sys
@@ -37,6 +40,7 @@ import tempfile
 import zlib
 
 import atheris
+import numpy as np
 
 with atheris.instrument_imports(include=["fastmm"]):
     import torch
@@ -205,6 +209,41 @@ def gather_one(data: bytes) -> None:
     if _C is not None:
         cpp = _outcome(_C, bytearray(fill), offset, srcs, stride)
         assert cpp == twin, (offset, stride, [len(s) for s in srcs], size, cpp, twin)
+
+
+# -- planes ------------------------------------------------------------------------------------
+
+
+def _planes_outcome(impl, dst: bytearray, src):
+    try:
+        impl.planes(dst, src)
+    except (ValueError, BufferError) as e:
+        return type(e).__name__
+    return bytes(dst)
+
+
+def planes_one(data: bytes) -> None:
+    """A view cut from random pixels: leading dims with steps, a crop, C channels of pixels
+    ``ps`` bytes apart (sometimes a layout planes must refuse)."""
+    fdp = atheris.FuzzedDataProvider(data)
+    lead = [fdp.ConsumeIntInRange(1, 4) for _ in range(fdp.ConsumeIntInRange(0, 2))]
+    h, w, ps = fdp.ConsumeIntInRange(1, 9), fdp.ConsumeIntInRange(1, 80), fdp.ConsumeIntInRange(1, 5)
+    pixels = np.frombuffer(fdp.ConsumeBytes(math.prod(lead) * h * w * ps).ljust(
+        math.prod(lead) * h * w * ps, b"\x01"), dtype=np.uint8).reshape(*lead, h, w, ps)
+    channels = fdp.ConsumeIntInRange(1, ps)
+    steps = tuple(slice(None, None, fdp.ConsumeIntInRange(1, 2)) for _ in lead)
+    top, left = fdp.ConsumeIntInRange(0, h - 1), fdp.ConsumeIntInRange(0, w - 1)
+    view = pixels[(*steps, slice(top, None), slice(left, None), slice(0, channels))]
+    src = np.moveaxis(view, -1, -3)
+    if fdp.ConsumeBool():
+        src = np.ascontiguousarray(view)  # planar already: refused
+    size = src.size + fdp.ConsumeIntInRange(-1, 1) * fdp.ConsumeBool()
+    twin = _planes_outcome(_twin, bytearray(size), src)
+    if isinstance(twin, bytes):
+        assert twin == np.ascontiguousarray(src).tobytes()
+    if _C is not None:
+        cpp = _planes_outcome(_C, bytearray(size), src)
+        assert cpp == twin, (src.shape, src.strides, size, cpp, twin)
 
 
 # -- layout ------------------------------------------------------------------------------------
@@ -409,6 +448,7 @@ TARGETS = {
     "tar": (tar_one, _tar_seeds),
     "index": (index_one, lambda: [_IndexTarget().seed, b"{}"]),
     "gather": (gather_one, lambda: [bytes(64), bytes(range(256))]),
+    "planes": (planes_one, lambda: [bytes(64), bytes(range(256))]),
     "layout": (layout_one, _layout_seeds),
     "state": (state_one, lambda: [bytes(16), bytes(range(256))]),
     "mp4": (mp4_one, _mp4_seeds),

@@ -1,5 +1,5 @@
 """A short bounded run of each atheris target in fuzz/fuzz.py (the longer runs' figures are in
-docs/faults.md): the tar reader, the shard index cache, fastmm._C.gather against its twin, the
+docs/faults.md): the tar reader, the shard index cache, fastmm._C.gather and planes against the twin, the
 slab layout tables, a damaged loader state and the MP4 sample tables the video decoder slims. A crash or hang fails with the input that caused
 it."""
 
@@ -19,7 +19,7 @@ SECONDS = int(os.environ.get("FASTMM_FUZZ_SECONDS", "12"))
 
 
 @pytest.mark.timeout(SECONDS + 120)
-@pytest.mark.parametrize("target", ["tar", "index", "gather", "layout", "state", "mp4"])
+@pytest.mark.parametrize("target", ["tar", "index", "gather", "planes", "layout", "state", "mp4"])
 def test_fuzz_target_finds_nothing_in_a_short_run(target, tmp_path):
     corpus = tmp_path / "corpus"
     run = subprocess.run(

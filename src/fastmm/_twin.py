@@ -31,9 +31,7 @@ def gather(dst, offset: int, srcs, stride: int) -> None:
     """Copy ``srcs[i]`` into ``dst`` at ``offset + i*stride``."""
     if offset < 0 or stride < 0:
         raise ValueError("offset and stride must be non-negative")
-    out = np.frombuffer(dst, dtype=np.uint8)
-    if out.flags.writeable is False:
-        raise TypeError("dst must be a writable buffer")
+    out = _writable_bytes(dst)
     views = []
     for i, src in enumerate(srcs):
         view = np.frombuffer(src, dtype=np.uint8)
@@ -46,3 +44,26 @@ def gather(dst, offset: int, srcs, stride: int) -> None:
         views.append((start, view))
     for start, view in views:
         out[start : start + view.nbytes] = view
+
+
+def planes(dst, src) -> None:
+    """Copy ``src``, bytes viewed as (..., C, H, W) with each pixel's C channels side by side,
+    into the C-contiguous ``dst`` of as many bytes."""
+    out = _writable_bytes(dst)
+    view = memoryview(src)
+    nd, strides = view.ndim, view.strides
+    if not (view.itemsize == 1 and nd >= 3 and strides[-3] == 1 and view.shape[-3] > 1
+            and view.shape[-3] <= strides[-1] <= 4):
+        raise ValueError("src must be 1-byte elements viewed as (..., C, H, W) with each "
+                         "pixel's channels side by side (strides (..., 1, row, P), "
+                         "1 < C <= P <= 4)")
+    if out.nbytes != view.nbytes:
+        raise ValueError(f"dst holds {out.nbytes} bytes, src {view.nbytes}")
+    np.copyto(out.reshape(view.shape), np.asarray(view).view(np.uint8))
+
+
+def _writable_bytes(dst) -> np.ndarray:
+    """``dst``'s bytes, refused as C refuses a read-only buffer."""
+    if memoryview(dst).readonly:
+        raise BufferError("Object is not writable.")
+    return np.frombuffer(dst, dtype=np.uint8)

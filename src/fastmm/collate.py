@@ -69,8 +69,8 @@ def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
     out = torch.frombuffer(view, dtype=elem.dtype, count=numel).view(shape)
     if interleaved_bytes(elem) and all(_plain_cpu_tensor(t) and t.dtype == elem.dtype
                                        and t.shape == elem.shape for t in batch):
-        for slot, t in zip(out, batch):  # decoded pixels, channels-last views: NumPy copies
-            copy_into(slot, t)
+        for slot, t in zip(out, batch):  # decoded pixels, channels-last views: planes copies
+            copy_into(slot, t, _writer.planes)
         return out
     # one call for the whole batch: per-sample work in Python cost 7-10 us a sample, 40x
     # torch.stack's, and made batches of many small samples slower than torch's loader
@@ -148,7 +148,7 @@ class _StreamedBatch:
         if t.is_contiguous():  # past the cache (fastmm._C): another process reads it
             _writer.gather(_raw_bytes(slot), 0, [_raw_bytes(t)], t.numel() * t.element_size())
         else:
-            copy_into(slot, t)
+            copy_into(slot, t, _writer.planes)
         self._taken.add((id(out), position))
         self._slots[id(slot)] = (out, position, slot)
         return slot
@@ -175,7 +175,7 @@ class _StreamedBatch:
                 last = entry[1]
         for position, (t, entry) in enumerate(zip(batch, slots)):
             if entry is None:
-                copy_into(out[position], t)
+                copy_into(out[position], t, _writer.planes)
             elif entry[1] != position:
                 out[position].copy_(out[entry[1]])
         return out[: len(batch)]

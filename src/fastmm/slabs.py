@@ -154,6 +154,10 @@ class SlabWriter:
     def gather(self):
         return self._native.gather
 
+    @property
+    def planes(self):
+        return self._native.planes
+
     def apply(self, release: list[int], destroy: list[int], punched: list[int]) -> None:
         """Take back slabs the main process no longer views (``punched``: those whose pages it
         gave back); drop the ones it retired. While batches leave time to spare, a slab that
