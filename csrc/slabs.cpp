@@ -242,7 +242,8 @@ PyMethodDef methods[] = {
 };
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastmm._C",
-                      "fastmm's C++ core: shared-memory slabs, and copies into them past the cache.",
+                      "fastmm's C++ core: shared-memory slabs, copies into them past the cache, "
+                      "and channels-last pixels copied into channel planes.",
                       -1, methods};
 
 }  // namespace

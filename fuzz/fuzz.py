@@ -227,7 +227,8 @@ def planes_one(data: bytes) -> None:
     ``ps`` bytes apart (sometimes a layout planes must refuse)."""
     fdp = atheris.FuzzedDataProvider(data)
     lead = [fdp.ConsumeIntInRange(1, 4) for _ in range(fdp.ConsumeIntInRange(0, 2))]
-    h, w, ps = fdp.ConsumeIntInRange(1, 9), fdp.ConsumeIntInRange(1, 80), fdp.ConsumeIntInRange(1, 5)
+    h, w = fdp.ConsumeIntInRange(1, 9), fdp.ConsumeIntInRange(1, 80)
+    ps = fdp.ConsumeIntInRange(1, 5)
     pixels = np.frombuffer(fdp.ConsumeBytes(math.prod(lead) * h * w * ps).ljust(
         math.prod(lead) * h * w * ps, b"\x01"), dtype=np.uint8).reshape(*lead, h, w, ps)
     channels = fdp.ConsumeIntInRange(1, ps)
