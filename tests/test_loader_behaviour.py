@@ -123,14 +123,33 @@ def test_subscripts_as_a_generic_like_torch():
     assert typing.get_args(alias) == typing.get_args(TorchDataLoader[list[torch.Tensor]])
 
 
-def test_signature_is_torch_plus_on_worker_failure():
+def test_signature_is_torch_plus_torchdatas_argument_and_on_worker_failure():
+    extras = {"snapshot_every_n_steps": 1, "on_worker_failure": "raise"}
     for ours, theirs in ((fastmm.DataLoader, TorchDataLoader),
                          (fastmm.DataLoader.__init__, TorchDataLoader.__init__)):
         ours, theirs = inspect.signature(ours), inspect.signature(theirs)
-        extra = ours.parameters["on_worker_failure"]
-        assert extra.kind == extra.KEYWORD_ONLY and extra.default == "raise"
-        params = [p for name, p in ours.parameters.items() if name != "on_worker_failure"]
+        for name, default in extras.items():
+            extra = ours.parameters[name]
+            assert extra.kind == extra.KEYWORD_ONLY and extra.default == default
+        params = [p for name, p in ours.parameters.items() if name not in extras]
         assert ours.replace(parameters=params) == theirs
+
+
+@pytest.mark.parametrize("argument", ["num_workers", "prefetch_factor"])
+@pytest.mark.parametrize("value", [2.5, 2.0, "2"])
+def test_a_count_that_is_no_integer_is_a_type_error_naming_it(argument, value):
+    """torch takes num_workers=2.5 and fails at iter() with "'float' object cannot be
+    interpreted as an integer"; fastmm raises the same type at once, naming the argument."""
+    arguments = {"num_workers": 2, argument: value}
+
+    def first(cls):
+        shutdown_iter(iter(cls(SampleDataset(4), **arguments)))
+
+    assert outcome(lambda: first(TorchDataLoader))[0] is TypeError
+    with pytest.raises(TypeError, match=f"{argument} should be an integer, but got "
+                                        f"{argument}={value!r}"):
+        fastmm.DataLoader(SampleDataset(4), **arguments)
+    assert fastmm.DataLoader(SampleDataset(4), num_workers=np.int64(2)).num_workers == 2
 
 
 def test_positional_arguments_bind_like_torch():

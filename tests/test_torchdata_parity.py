@@ -275,3 +275,32 @@ def test_a_state_goes_through_json(num_workers):
                                  num_workers=num_workers, collate_fn=identity)
     restored.load_state_dict(json.loads(text))
     assert list(restored) == expected
+
+
+@pytest.mark.parametrize("snapshot_every_n_steps", [0, 1, 5, None])
+def test_snapshot_every_n_steps_is_accepted_and_every_step_stays_exact(snapshot_every_n_steps):
+    """torchdata's argument (how often its workers send their state) is taken as it is, so
+    its users change only the import; fastmm's state is exact at any step whatever its value,
+    here interrupted at a step that is no multiple of it."""
+    def run(loader_class):
+        def make():
+            rows = Rows(shuffle=True)
+            return loader_class(rows, batch_size=7, num_workers=2, collate_fn=identity,
+                                sampler=RandomSampler(rows, generator=torch.Generator()
+                                                      .manual_seed(13)),
+                                snapshot_every_n_steps=snapshot_every_n_steps)
+
+        torch.manual_seed(0)
+        return _interrupted(make, 7)
+
+    expected, restored = run(fastmm.DataLoader)
+    assert restored == expected
+    assert run(torchdata.StatefulDataLoader) == (expected, restored)
+
+
+def test_snapshot_every_n_steps_is_checked():
+    assert fastmm.DataLoader(range(4), snapshot_every_n_steps=3).snapshot_every_n_steps == 3
+    with pytest.raises(ValueError, match="snapshot_every_n_steps should be a non-negative"):
+        fastmm.DataLoader(range(4), snapshot_every_n_steps=-1)
+    with pytest.raises(TypeError, match="snapshot_every_n_steps should be an integer"):
+        fastmm.DataLoader(range(4), snapshot_every_n_steps=2.5)

@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import multiprocessing.connection
+import operator
 import os
 import pickle
 import select
@@ -145,14 +146,34 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        snapshot_every_n_steps: int | None = 1,
         on_worker_failure: str = "raise",
     ) -> None:
-        """torch's arguments, plus ``on_worker_failure``: "raise" (torch's behaviour: a worker
-        killed by a signal or gone is an error naming it) or "respawn" (a new worker takes its
-        place and gets its unfinished batches again, from its RNG states: nothing lost or
-        repeated, the same batches in the same order as without the failure)."""
+        """torch's arguments, plus:
+
+        ``snapshot_every_n_steps``: torchdata's StatefulDataLoader argument (how often workers
+        send their state), accepted so its users change only the import. fastmm's workers send
+        what changed in their state with every batch, so ``state_dict()`` is exact at any step
+        whatever the value; it is checked (an int of 0 or more, or None) and kept, nothing more.
+
+        ``on_worker_failure``: "raise" (torch's behaviour: a worker killed by a signal or gone
+        is an error naming it) or "respawn" (a new worker takes its place and gets its
+        unfinished batches again, from its RNG states: nothing lost or repeated, the same
+        batches in the same order as without the failure).
+
+        ``num_workers`` and ``prefetch_factor`` must be whole numbers: torch takes 2.5 here and
+        fails at the first ``iter()``; fastmm says so now (the same TypeError)."""
         if on_worker_failure not in ("raise", "respawn"):
             raise ValueError(f"on_worker_failure={on_worker_failure!r}; use 'raise' or 'respawn'")
+        num_workers = _whole_number("num_workers", num_workers)
+        if prefetch_factor is not None:
+            prefetch_factor = _whole_number("prefetch_factor", prefetch_factor)
+        if snapshot_every_n_steps is not None:
+            snapshot_every_n_steps = _whole_number("snapshot_every_n_steps",
+                                                   snapshot_every_n_steps)
+            if snapshot_every_n_steps < 0:  # (torchdata: 0 or None, only when state is asked)
+                raise ValueError("snapshot_every_n_steps should be a non-negative integer or "
+                                 f"None, but got snapshot_every_n_steps={snapshot_every_n_steps}")
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -160,6 +181,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
         self.on_worker_failure = on_worker_failure
+        self.snapshot_every_n_steps = snapshot_every_n_steps
 
     def __iter__(self):
         config = TelemetryConfig.from_env()
@@ -207,6 +229,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
 
 _telemetry_loaders = itertools.count()
+
+
+def _whole_number(name: str, value):
+    """``value`` as an int (bools and NumPy integers too), or a TypeError naming ``name``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} should be an integer, but got {name}={value!r} "
+                        f"({type(value).__name__})") from None
 
 
 def _telemetry_name() -> str:
