@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import torch
@@ -12,6 +14,7 @@ import pytest
 
 import fastmm
 from fastmm import _twin
+from fastmm.config import filesystem_type
 from _shm import private_tmpfs, used_bytes
 
 
@@ -170,6 +173,35 @@ def test_a_read_only_shm_dir_is_a_config_error(monkeypatch):
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         with pytest.raises(fastmm.ConfigError, match="FASTMM_SHM_DIR=.* is not writable"):
             iter(fastmm.DataLoader(range(4), num_workers=1))
+
+
+@pytest.mark.parametrize("path", ["/proc", "/sys/kernel"])
+def test_a_shm_dir_that_cannot_hold_slabs_is_a_config_error(monkeypatch, path):
+    """Not a place for files: refused, where the slabs once went to memfd without a word."""
+    monkeypatch.setenv("FASTMM_SHM_DIR", path)
+    with pytest.raises(fastmm.ConfigError, match=f"FASTMM_SHM_DIR='{path}' "):
+        iter(fastmm.DataLoader(range(4), num_workers=1))
+
+
+def test_a_shm_dir_on_disk_says_the_slabs_will_be_on_disk(monkeypatch):
+    disk_dir = tempfile.mkdtemp(dir=os.path.dirname(__file__))  # the checkout, not /tmp
+    try:
+        fstype = filesystem_type(disk_dir)
+        if fstype in ("tmpfs", "ramfs", "unknown"):
+            pytest.skip(f"the checkout is on {fstype}")
+        monkeypatch.setenv("FASTMM_SHM_DIR", disk_dir)
+        with pytest.warns(fastmm.FastmmWarning, match=f"on {fstype}, not a tmpfs: the slabs will be "
+                                             "files on that disk"):
+            batches = list(fastmm.DataLoader(torch.arange(8 << 12).view(8, -1), batch_size=4,
+                                             num_workers=1))
+        assert torch.equal(torch.cat(batches), torch.arange(8 << 12).view(8, -1))
+    finally:
+        shutil.rmtree(disk_dir)
+
+
+def test_filesystem_type_reads_the_mount_table():
+    assert filesystem_type("/proc/self") == "proc"
+    assert filesystem_type("/dev/shm") == "tmpfs"
 
 
 def test_slab_memory_mode_follows_environment(monkeypatch):

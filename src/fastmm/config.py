@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Literal
+
+from .errors import FastmmWarning
 
 
 class ConfigError(ValueError):
@@ -43,6 +46,59 @@ def _env_dir(name: str, default: str) -> str:
     return raw
 
 
+_shm_dirs_checked: dict[tuple[str, int], str] = {}  # (path, st_dev) -> its filesystem type
+
+
+def _env_shm_dir(name: str, default: str) -> str:
+    """A directory that can hold slabs: one it names is tried (an unnamed file, a page
+    reserved), so that a /proc or /sys is refused here rather than the slabs silently going
+    elsewhere; one on a disk is taken with a warning that the slabs will be files on disk."""
+    raw = _env_dir(name, default)
+    if raw == default and os.environ.get(name) in (None, ""):
+        return raw  # the default: where O_TMPFILE is refused, memfd holds the slabs instead
+    key = (os.path.realpath(raw), os.stat(raw).st_dev)
+    if key in _shm_dirs_checked:
+        return raw
+    fstype = filesystem_type(raw)
+    try:
+        fd = os.open(raw, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, 4096)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(
+            f"{name}={raw!r} cannot hold shared-memory slabs (a {fstype} directory: "
+            f"{exc.strerror}); use a tmpfs such as /dev/shm") from None
+    _shm_dirs_checked[key] = fstype
+    if fstype not in ("tmpfs", "ramfs", "devtmpfs"):
+        warnings.warn(
+            f"{name}={raw!r} is on {fstype}, not a tmpfs: the slabs will be files on that disk "
+            "(in the page cache while memory lasts, written back to the disk under pressure), "
+            "slower than shared memory; /dev/shm or another tmpfs is what it is meant for",
+            FastmmWarning, stacklevel=4)
+    return raw
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem ``path`` lies on (``tmpfs``, ``ext4``, ``proc``, ...), from
+    /proc/self/mountinfo; "unknown" where that cannot tell."""
+    target = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+                sep = fields.index("-")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, fstype = mount, fields[sep + 1]
+    except (OSError, ValueError, IndexError):
+        pass
+    return fstype
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     """How worker processes run and hand their batches to the main process."""
@@ -61,7 +117,7 @@ class TransportConfig:
     def from_env(cls) -> "TransportConfig":
         return cls(
             pure_python=_env_bool("FASTMM_PURE_PYTHON", False),
-            shm_dir=_env_dir("FASTMM_SHM_DIR", "/dev/shm"),
+            shm_dir=_env_shm_dir("FASTMM_SHM_DIR", "/dev/shm"),
             slab_memory=_env_choice("FASTMM_SLAB_MEMORY", "auto", SLAB_MEMORY_MODES),
             worker_malloc=_env_choice("FASTMM_WORKER_MALLOC", "reuse", WORKER_MALLOC_MODES),
         )
