@@ -259,7 +259,7 @@ def test_nothing_left_after_delete_or_error(path, monkeypatch, helpers_before):
 
 _KILLED_MAIN = textwrap.dedent(
     """
-    import ctypes, os, sys, time, torch, fastmm
+    import ctypes, sys, threading, time, torch, fastmm
     from torch.utils.data import Dataset
 
     class Slow(Dataset):
@@ -273,29 +273,48 @@ _KILLED_MAIN = textwrap.dedent(
                     ctypes.PyDLL(None).sleep(60)
             return torch.zeros(3, 256, 256, dtype=torch.uint8)
 
-    loader = fastmm.DataLoader(Slow(), batch_size=4, num_workers=2)
-    it = iter(loader)
-    kept = [next(it) for _ in range(8)]
-    print(" ".join(str(w.pid) for w in it._workers), flush=True)
-    time.sleep(60)
+    def run():
+        context = sys.argv[2] if sys.argv[2] in ("forkserver", "spawn") else None
+        loader = fastmm.DataLoader(Slow(), batch_size=4, num_workers=2,
+                                   multiprocessing_context=context)
+        it = iter(loader)
+        kept = [next(it) for _ in range(8)]
+        print(" ".join(str(w.pid) for w in it._workers), flush=True)
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        if sys.argv[2] == "thread":  # the loop in a thread of its own, the main thread waiting
+            threading.Thread(target=run, daemon=True).start()
+            time.sleep(120)
+        else:
+            run()
     """
 )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", ["main-thread", "thread", "forkserver", "spawn"])
 @pytest.mark.parametrize("stall", ["python", "c-holding-the-gil"])
-def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path, stall):
+def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path, stall, setup):
+    """Every process the loader made (workers; under forkserver the forkserver and the
+    resource tracker too) ends within seconds of a kill -9 of the main process, even with the
+    workers stuck in C holding the GIL, whichever thread ran the loop and whatever the start
+    method; the slabs' memory goes with them."""
     with private_tmpfs("256m") as shm:
         script = tmp_path / "main.py"
         script.write_text(_KILLED_MAIN)
         env = {**os.environ, "FASTMM_SHM_DIR": shm}
-        main = subprocess.Popen([sys.executable, str(script), stall], stdout=subprocess.PIPE,
-                                env=env)
+        main = subprocess.Popen([sys.executable, str(script), stall, setup],
+                                stdout=subprocess.PIPE, env=env)
         try:
             pids = [int(p) for p in main.stdout.readline().split()]
             assert len(pids) == 2 and used_bytes(shm) > 0
+            made = {p.pid for p in psutil.Process(main.pid).children(recursive=True)}
+            assert set(pids) <= made
             main.send_signal(signal.SIGKILL)
             main.wait(timeout=10)
-            assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5)
+            assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in made), timeout=5), \
+                [psutil.Process(p).cmdline() for p in made if psutil.pid_exists(p)]
             assert _wait_until(lambda: used_bytes(shm) == 0, timeout=5)
         finally:
             main.kill()

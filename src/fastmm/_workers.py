@@ -20,12 +20,14 @@ Messages to the main process (on the worker's result connection), all tuples:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
 import pickle
 import queue
 import random
+import select
 import signal
 import sys
 import threading
@@ -118,18 +120,22 @@ class StopFlag:
         return bool(self._value.value)
 
 
-def _exit_when_orphaned(parent_thread_is_main: bool, main_pid: int | None) -> None:
-    """End this worker when the main process dies, even while user code is busy: no worker
-    outlives a ``kill -9`` of the loader's process by more than a moment.
+def _exit_when_orphaned(start_method: str, main_pid: int | None) -> None:
+    """End this worker when the loader's process dies, even while user code is stuck in C with
+    the GIL held: no worker outlives a ``kill -9`` of that process by more than a moment.
 
-    On Linux, when the thread that started the worker lives as long as its process (the main
-    thread, or a forkserver's), the kernel sends SIGKILL the moment the parent dies
-    (PR_SET_PDEATHSIG), so a sample stuck in C with the GIL held cannot keep the worker alive.
-    The signal follows the starting thread, so for a worker started from another thread a daemon
-    thread polls for the parent instead (it needs the GIL); and a forkserver's worker, whose
-    parent is the forkserver (which outlives the loader's process), polls for that process."""
+    Linux sends SIGKILL the moment the worker's parent thread ends (PR_SET_PDEATHSIG), with no
+    help from this process. The loader starts its workers from a thread that lives as long as
+    its process (``loader._start_on_a_lasting_thread``), so under fork and spawn that parent
+    is the loader's process. Under forkserver the parent is the forkserver, which ends once no
+    process holds its "alive" pipe, and each of its children inherits one: this worker closes
+    its own, so the forkserver ends with the loader's process, and this worker with it. A
+    daemon thread also watches the loader's process wherever the parent is another (it needs
+    the GIL), or where the signal cannot be set (no prctl)."""
     parent = os.getppid()
-    if parent_thread_is_main and sys.platform.startswith("linux"):
+    if start_method == "forkserver":
+        _let_the_forkserver_end()
+    if sys.platform.startswith("linux"):
         try:
             signalled = ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
         except (OSError, AttributeError):  # no prctl in this libc: the thread below watches
@@ -139,18 +145,37 @@ def _exit_when_orphaned(parent_thread_is_main: bool, main_pid: int | None) -> No
                 os._exit(1)
             if main_pid in (None, parent):
                 return
+    watched = parent if main_pid is None else main_pid
 
     def watch():
-        while os.getppid() == parent and _alive(main_pid):
-            time.sleep(PARENT_CHECK_INTERVAL_S)
+        try:
+            pidfd = os.pidfd_open(watched)  # readable the moment that process ends
+        except (AttributeError, OSError):
+            while _alive(watched) and (main_pid is not None or os.getppid() == parent):
+                time.sleep(PARENT_CHECK_INTERVAL_S)
+        else:
+            select.select([pidfd], [], [])
         os._exit(1)
 
     threading.Thread(target=watch, name="fastmm-orphan-watch", daemon=True).start()
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return True
+def _let_the_forkserver_end() -> None:
+    """Close this worker's copy of the forkserver's "alive" pipe (multiprocessing hands one to
+    every process the forkserver starts, for processes of their own): while any copy is open,
+    the forkserver outlives the loader's process. A worker that starts processes through
+    forkserver afterwards starts a forkserver of its own."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -177,7 +202,7 @@ def worker_loop(
     shared_seed,
     transport,
     restore=(None, 0, None),
-    parent_thread_is_main=False,
+    start_method="fork",
     main_pid=None,
 ):
     try:
@@ -185,7 +210,7 @@ def worker_loop(
         # left out of this worker's garbage collections: a full collection writes into every
         # object it visits, which would copy each page holding one into this process.
         gc.freeze()
-        _exit_when_orphaned(parent_thread_is_main, main_pid)
+        _exit_when_orphaned(start_method, main_pid)
         signal_handling._set_worker_signal_handlers()
         if transport.worker_malloc == "reuse":
             reuse_freed_memory()

@@ -19,6 +19,7 @@ import multiprocessing.connection
 import operator
 import os
 import pickle
+import queue
 import select
 import signal
 import socket
@@ -229,6 +230,45 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
 
 _telemetry_loaders = itertools.count()
+
+
+_starter: tuple[int, queue.SimpleQueue] | None = None  # (pid, its starter thread's tasks)
+_starter_lock = threading.Lock()
+
+
+def _start_on_a_lasting_thread(start) -> None:
+    """``start()`` (a worker's ``Process.start``) on a thread that lives as long as this
+    process: the main thread, or else one daemon thread kept for it. The kernel's parent-death
+    signal, which ends a worker the moment the loader's process dies (even one stuck in C with
+    the GIL held), follows the thread that forked the worker: from a loop's own thread it would
+    end the workers with that thread, so it could not be used there."""
+    global _starter
+    if threading.current_thread() is threading.main_thread():
+        start()
+        return
+    with _starter_lock:
+        if _starter is None or _starter[0] != os.getpid():  # (none in a forked child)
+            tasks: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_serve_starts, args=(tasks,), daemon=True,
+                             name="fastmm-worker-starter").start()
+            _starter = (os.getpid(), tasks)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    _starter[1].put((start, done))
+    error = done.get()
+    if error is not None:
+        raise error
+
+
+def _serve_starts(tasks: queue.SimpleQueue) -> None:
+    while True:
+        start, done = tasks.get()
+        try:
+            start()
+        except BaseException as exc:  # raised again in the thread that asked
+            done.put(exc)
+        else:
+            done.put(None)
+        del start, done
 
 
 def _whole_number(name: str, value):
@@ -570,8 +610,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                 self._shared_seed,
                 self._transport,
                 restore,
-                self._context.get_start_method() == "forkserver"
-                or threading.current_thread() is threading.main_thread(),
+                self._context.get_start_method(),
                 self._owner_pid,
             ),
             name=f"fastmm-worker-{worker_id}",
@@ -579,7 +618,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         )
         if self._counters is not None:
             self._last_counts[worker_id] = self._counters.row(worker_id)
-        process.start()
+        _start_on_a_lasting_thread(process.start)
         return process
 
     def _replace_worker(self, worker_id: int, fault: bool = True) -> None:
