@@ -25,8 +25,18 @@ def transport(request, monkeypatch):
     if request.param == "cpp":
         monkeypatch.delenv("FASTMM_PURE_PYTHON", raising=False)
         if not fastmm.uses_cpp():
+            if os.environ.get("FASTMM_REQUIRE_CPP") == "1":
+                pytest.fail("fastmm._C is not built but FASTMM_REQUIRE_CPP=1")
             pytest.skip("fastmm._C is not importable here; only the pure-Python twin can run")
     else:
         monkeypatch.setenv("FASTMM_PURE_PYTHON", "1")
         assert not fastmm.uses_cpp()
     return request.param
+
+
+@pytest.fixture
+def native(transport):
+    """The module behind ``transport``: fastmm._C, or its pure-Python twin fastmm._twin."""
+    from fastmm.slabs import native_backend
+
+    return native_backend()

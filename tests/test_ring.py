@@ -12,10 +12,10 @@ from fastmm.config import TransportConfig
 from fastmm.slabs import SlabRing, SlabWriter
 
 
-@pytest.fixture(params=[False, True], ids=["cpp", "pure"])
-def pair(request):
+@pytest.fixture
+def pair(transport):
     worker_sock, main_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    writer = SlabWriter(worker_sock, TransportConfig(pure_python=request.param))
+    writer = SlabWriter(worker_sock, TransportConfig(pure_python=transport == "pure"))
     pinned: dict[int, int] = {}
     ring = SlabRing(
         keep_free_per_worker=1,

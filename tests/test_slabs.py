@@ -13,26 +13,8 @@ import torch
 import pytest
 
 import fastmm
-from fastmm import _twin
 from fastmm.config import filesystem_type
 from _shm import private_tmpfs, used_bytes
-
-
-def _backends():
-    backends = [pytest.param(_twin, id="pure")]
-    try:
-        from fastmm import _C
-
-        backends.append(pytest.param(_C, id="cpp"))
-    except ImportError:
-        if os.environ.get("FASTMM_REQUIRE_CPP") == "1":
-            raise
-    return backends
-
-
-@pytest.fixture(params=_backends())
-def native(request):
-    return request.param
 
 
 def test_create_slab_reserves_space_and_leaves_no_name(native, tmp_path):

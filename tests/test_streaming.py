@@ -161,11 +161,11 @@ def test_a_worker_holds_one_sample_not_a_batch(transport):
     assert held == [0, 0, 0, 0]
 
 
-@pytest.fixture(params=[False, True], ids=["cpp", "pure"])
-def writer(request):
+@pytest.fixture
+def writer(transport):
     """A real slab writer in this process, as collation finds it in a worker."""
     worker_sock, main_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    writer = SlabWriter(worker_sock, TransportConfig(pure_python=request.param))
+    writer = SlabWriter(worker_sock, TransportConfig(pure_python=transport == "pure"))
     collate.set_writer(writer)
     writer.begin()
     yield writer

@@ -23,20 +23,6 @@ from fastmm.slabs import _address
 from _shm import private_tmpfs, used_bytes
 
 
-@pytest.fixture(params=["cpp", "pure"])
-def path(request, monkeypatch):
-    """Run the test on the C++ path and on its pure-Python twin."""
-    if request.param == "pure":
-        monkeypatch.setenv("FASTMM_PURE_PYTHON", "1")
-    else:
-        monkeypatch.delenv("FASTMM_PURE_PYTHON", raising=False)
-        if not fastmm.uses_cpp():
-            if os.environ.get("FASTMM_REQUIRE_CPP") == "1":
-                pytest.fail("fastmm._C is not built but FASTMM_REQUIRE_CPP=1")
-            pytest.skip("fastmm._C is not built")
-    return request.param
-
-
 class Frames(Dataset):
     """Sample i is a 3x128x128 uint8 image filled with i % 251, plus its id."""
 
@@ -80,7 +66,7 @@ def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def test_ring_reuses_slabs_in_steady_state(path, monkeypatch):
+def test_ring_reuses_slabs_in_steady_state(transport, monkeypatch):
     with private_tmpfs("256m") as shm:
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         loader = fastmm.DataLoader(Frames(400), batch_size=8, num_workers=2)
@@ -106,7 +92,7 @@ class Growing(Dataset):
         return torch.full((1000 * (min(i // 4, 10) + 1),), i % 251, dtype=torch.uint8)
 
 
-def test_batches_that_grew_then_settled_reuse_slabs(path, monkeypatch):
+def test_batches_that_grew_then_settled_reuse_slabs(transport, monkeypatch):
     """Slabs too small for the grown batches must not crowd out the big ones: each batch once
     made (and threw away) a new slab, about 100 descriptor passes and 1 MB of page faults."""
     with private_tmpfs("256m") as shm:
@@ -130,7 +116,7 @@ def _numpy_stack(batch):
     return np.stack([image.numpy() for image, _ in batch]), np.array([i for _, i in batch])
 
 
-def test_numpy_batches_travel_in_slabs_and_give_them_back(path, monkeypatch):
+def test_numpy_batches_travel_in_slabs_and_give_them_back(transport, monkeypatch):
     """A custom collate_fn's NumPy batch views a slab in the main process (no pickled copy),
     and its slab goes back when the array is dropped, as a tensor's does."""
     with private_tmpfs("256m") as shm:
@@ -157,7 +143,7 @@ def _aliases(batch):
             "again": a}
 
 
-def test_numpy_arrays_arrive_apart_as_pickle_gives_them(path):
+def test_numpy_arrays_arrive_apart_as_pickle_gives_them(transport):
     """torch pickles each NumPy array on its own: views of one array, and a tensor on its
     memory, arrive as copies of their own; the same array twice stays one object."""
     for loader_class in (torch.utils.data.DataLoader, fastmm.DataLoader):
@@ -179,7 +165,7 @@ def _pickle_protocol_5(worker_id):
 
 
 @pytest.mark.parametrize("protocol", [4, 5])
-def test_read_only_numpy_batches_travel_in_slabs_as_pickle_gives_them(path, protocol):
+def test_read_only_numpy_batches_travel_in_slabs_as_pickle_gives_them(transport, protocol):
     """np.frombuffer's arrays are read-only: they travel in the slab too and arrive writable
     or read-only as pickle with the worker's protocol would give them back."""
     loader = fastmm.DataLoader(Frames(32), batch_size=8, num_workers=2,
@@ -196,7 +182,7 @@ def test_read_only_numpy_batches_travel_in_slabs_as_pickle_gives_them(path, prot
     assert k == 3
 
 
-def test_kept_batches_grow_the_ring_and_stay_intact(path, monkeypatch):
+def test_kept_batches_grow_the_ring_and_stay_intact(transport, monkeypatch):
     with private_tmpfs("512m") as shm:
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         loader = fastmm.DataLoader(
@@ -222,7 +208,7 @@ def test_kept_batches_grow_the_ring_and_stay_intact(path, monkeypatch):
         assert _wait_until(lambda: used_bytes(shm) == 0)
 
 
-def test_nothing_left_after_delete_or_error(path, monkeypatch, helpers_before):
+def test_nothing_left_after_delete_or_error(transport, monkeypatch, helpers_before):
     with private_tmpfs("256m") as shm:
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         shm_names = set(os.listdir("/dev/shm"))
@@ -295,7 +281,7 @@ _KILLED_MAIN = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", ["main-thread", "thread", "forkserver", "spawn"])
 @pytest.mark.parametrize("stall", ["python", "c-holding-the-gil"])
-def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(path, tmp_path, stall, setup):
+def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(transport, tmp_path, stall, setup):
     """Every process the loader made (workers; under forkserver the forkserver and the
     resource tracker too) ends within seconds of a kill -9 of the main process, even with the
     workers stuck in C holding the GIL, whichever thread ran the loop and whatever the start
@@ -331,7 +317,7 @@ class Columns(Dataset):
         return torch.full((5000,), i, dtype=torch.int32)
 
 
-def test_a_batch_of_hundreds_of_tensors(path):
+def test_a_batch_of_hundreds_of_tensors(transport):
     """A collate_fn that keeps the samples apart (detection style): 600 regions in one batch
     take a few slabs (once, each its own slab, and Linux passes at most 253 descriptors in a
     message: the worker died)."""
@@ -341,7 +327,7 @@ def test_a_batch_of_hundreds_of_tensors(path):
     assert all(int(t[0]) == 600 * k + j for k, b in enumerate(batches) for j, t in enumerate(b))
 
 
-def test_workers_started_from_a_thread_outlive_that_thread(path):
+def test_workers_started_from_a_thread_outlive_that_thread(transport):
     """The kernel's parent-death signal follows the thread that started a worker: workers that
     a short-lived thread started keep serving the loop after that thread has ended."""
     made = []
@@ -355,7 +341,7 @@ def test_workers_started_from_a_thread_outlive_that_thread(path):
     assert step == 15
 
 
-def test_full_shm_is_a_clear_error_not_a_sigbus(path, monkeypatch, helpers_before):
+def test_full_shm_is_a_clear_error_not_a_sigbus(transport, monkeypatch, helpers_before):
     with private_tmpfs("8m") as shm:
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         big = Frames(64)  # a batch of 16 images is 786,432 bytes: fits
@@ -413,7 +399,7 @@ _FEW_FILES = textwrap.dedent(
     (8, 8, "starting DataLoader worker"),  # not enough for the workers' channels
     (24, 2, "slab"),  # the workers start; the kept batches' slabs run out of descriptors
 ])
-def test_too_few_file_descriptors_is_a_clear_error(path, tmp_path, spare, workers, where):
+def test_too_few_file_descriptors_is_a_clear_error(transport, tmp_path, spare, workers, where):
     """Running out of descriptors is torch's RuntimeError naming the limit and the remedies
     (it was a bare OSError from socketpair or mmap), and leaves no worker behind."""
     script = tmp_path / "few_files.py"
@@ -454,7 +440,7 @@ class Big(Dataset):
         return torch.full((4, 1024, 1024), i % 251, dtype=torch.uint8)
 
 
-def test_slow_loop_maps_only_the_batch_in_hand(path):
+def test_slow_loop_maps_only_the_batch_in_hand(transport):
     """A loop slower than its workers: what is waiting or free is mapped by no process, so the
     slabs' PSS over main and workers is about the batch being read, not the whole ring."""
     batch_bytes = 2 * 4 * 1024 * 1024
@@ -473,7 +459,7 @@ def test_slow_loop_maps_only_the_batch_in_hand(path):
     assert max(peaks) <= 2 * batch_bytes  # ... but only about one is mapped
 
 
-def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(path, monkeypatch):
+def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(transport, monkeypatch):
     """FASTMM_SLAB_MEMORY=lean: with a loop as fast as it can go, the batches queued for it are
     mapped by no process; only the batch being read and those being written count. (By default
     the whole ring stays mapped at full speed: measured here ~10 batches of the same loop.)"""
@@ -510,7 +496,7 @@ class SlowBig(Dataset):
         return torch.full((4, 1024, 1024), i % 251, dtype=torch.uint8)
 
 
-def test_free_slabs_give_their_memory_back_while_batches_are_slow(path, monkeypatch):
+def test_free_slabs_give_their_memory_back_while_batches_are_slow(transport, monkeypatch):
     """Free slabs give their pages back while batches are slow to make or the loop waits: the
     shared memory in use is the batches in flight (as torch's would be), not every slab the
     ring has made; and the slabs are written again afterwards, intact."""
@@ -538,7 +524,7 @@ def test_free_slabs_give_their_memory_back_while_batches_are_slow(path, monkeypa
         del it
 
 
-def test_a_full_shm_when_a_freed_slab_is_needed_again_is_a_clear_error(path, monkeypatch):
+def test_a_full_shm_when_a_freed_slab_is_needed_again_is_a_clear_error(transport, monkeypatch):
     """A slab whose pages went back reserves them again before the next write: if /dev/shm
     filled up meanwhile, that is a SharedMemoryError, not a SIGBUS in the worker. (lean: every
     slab gives its pages back, whatever the pace.)"""
