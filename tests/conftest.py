@@ -40,3 +40,14 @@ def native(transport):
     from fastmm.slabs import native_backend
 
     return native_backend()
+
+
+@pytest.fixture(scope="module")
+def corpus(request, tmp_path_factory):
+    """A generated multimodal corpus (``fastmm.bench.mmcorpus``), written once per test module
+    from the module's ``CORPUS_SPEC``: its root (``posix/``, ``shards/``, composition.json)."""
+    from fastmm.bench.mmcorpus import write_corpus
+
+    out = str(tmp_path_factory.mktemp("corpus"))
+    write_corpus(request.module.CORPUS_SPEC, out)
+    return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from fastmm.bench.mmcorpus import CorpusSpec, index_pattern, read_frame_index, w
 if shutil.which("ffmpeg") is None:
     pytest.skip("the ffmpeg CLI is needed to encode corpus videos", allow_module_level=True)
 
-SPEC = CorpusSpec(
+CORPUS_SPEC = CorpusSpec(
     num_images=12, num_videos=3, seed=7, png_fraction=0.25, image_short_side=(120, 200),
     large_fraction=0.25, large_short_side=(1080, 1200), video_duration_s=(0.8, 1.6),
     video_fps=(24, 30), video_sizes=((96, 64), (128, 96)), video_keyint=(6, 12),
@@ -36,13 +35,9 @@ def _hashes(root: str) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("mmcorpus"))
-    lines = []
-    comp = write_corpus(SPEC, out, progress=lines.append)
-    assert lines and "done" in lines[-1]
-    return out, comp
+def _composition(out):
+    with open(os.path.join(out, "composition.json")) as f:
+        return json.load(f)
 
 
 def _manifest(out):
@@ -51,12 +46,15 @@ def _manifest(out):
 
 
 def test_same_spec_same_bytes(corpus, tmp_path):
-    out, comp = corpus
-    comp2 = write_corpus(SPEC, str(tmp_path / "again"), processes=2)
+    out, comp = corpus, _composition(corpus)
+    lines = []
+    comp2 = write_corpus(CORPUS_SPEC, str(tmp_path / "again"), processes=2, progress=lines.append)
+    assert lines and "done" in lines[-1]
     first, second = _hashes(out), _hashes(str(tmp_path / "again"))
     assert len(first) == 12 * 4 + 3 * 4 + 1 + 1 + comp["counts"]["shards"]
     assert first == second and comp == comp2
-    other = write_corpus(dataclasses.replace(SPEC, seed=8, num_videos=0), str(tmp_path / "o"))
+    other = write_corpus(dataclasses.replace(CORPUS_SPEC, seed=8, num_videos=0),
+                         str(tmp_path / "o"))
     assert other["counts"]["images"] == 12
     h_other = _hashes(str(tmp_path / "o"))
     assert h_other["posix/image/000000.json"] != first["posix/image/000000.json"]
@@ -65,9 +63,7 @@ def test_same_spec_same_bytes(corpus, tmp_path):
 def test_composition_matches_files(corpus):
     from PIL import Image
 
-    out, comp = corpus
-    with open(os.path.join(out, "composition.json")) as f:
-        assert json.load(f) == comp
+    out, comp = corpus, _composition(corpus)
     manifest = _manifest(out)
     keys = [m["key"] for m in manifest]
     assert keys == sorted(keys) and len(keys) == 15
@@ -117,7 +113,7 @@ def test_composition_matches_files(corpus):
 def test_posix_and_shards_read_the_same_samples(corpus):
     from fastmm.sources import open_source
 
-    out, _ = corpus
+    out = corpus
     manifest = _manifest(out)
     posix = open_source("posix", os.path.join(out, "posix", "manifest.jsonl"))
     shards = open_source("shards", os.path.join(out, "shards"))
@@ -136,7 +132,7 @@ def test_frame_indices_decoded_by_torchcodec(corpus):
     pytest.importorskip("torchcodec")
     from fastmm.decode import ClipSpec, get_decoder
 
-    out, _ = corpus
+    out = corpus
     dec = get_decoder("torchcodec")
     videos = [m for m in _manifest(out) if "mp4" in m["members"]]
     assert len(videos) == 3
@@ -167,12 +163,12 @@ def test_index_pattern_roundtrip():
 
 
 def test_resolution_distribution(corpus, tmp_path):
-    out, comp = corpus
+    out = corpus
     sizes = [(json.loads(open(os.path.join(out, "posix", m["members"]["json"])).read()))
              for m in _manifest(out) if "mp4" not in m["members"]]
     shorts = [min(s["width"], s["height"]) for s in sizes]
     longs = [max(s["width"], s["height"]) for s in sizes]
-    ratios = max(SPEC.aspect_ratios)
+    ratios = max(CORPUS_SPEC.aspect_ratios)
     for s, l in zip(shorts, longs):
         assert 120 <= s <= 200 or 1080 <= s <= 1200
         assert s <= l <= round(s * ratios)
@@ -229,7 +225,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_procedural_fallback(tmp_path):
-    spec = dataclasses.replace(SPEC, num_images=2, num_videos=1, photos="procedural",
+    spec = dataclasses.replace(CORPUS_SPEC, num_images=2, num_videos=1, photos="procedural",
                                large_fraction=0.0)
     comp = write_corpus(spec, str(tmp_path))
     assert comp["photos"] == "procedural" and comp["counts"]["samples"] == 3
@@ -244,7 +240,7 @@ def test_videos_without_the_ffmpeg_cli_go_through_pyav(tmp_path, monkeypatch):
     from fastmm.decode import ClipSpec, get_decoder
 
     monkeypatch.setattr(mmcorpus.shutil, "which", lambda name: None)
-    spec = dataclasses.replace(SPEC, num_images=0, num_videos=1)
+    spec = dataclasses.replace(CORPUS_SPEC, num_images=0, num_videos=1)
     comp = write_corpus(spec, str(tmp_path))
     assert comp["tools"]["ffmpeg"].startswith("PyAV")
     (video,) = [m for m in _manifest(str(tmp_path)) if "mp4" in m["members"]]

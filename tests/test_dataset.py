@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import fastmm
-from fastmm.bench.mmcorpus import CorpusSpec, read_frame_index, write_corpus
+from fastmm.bench.mmcorpus import CorpusSpec, read_frame_index
 from fastmm.dataset import MultimodalDataset, ResizedCrop
 from fastmm.decode import ClipSpec, DecodeError
 from fastmm.sources import SourceError, write_shards
@@ -22,18 +22,11 @@ from fastmm.sources import SourceError, write_shards
 if shutil.which("ffmpeg") is None:
     pytest.skip("the ffmpeg CLI is needed to encode corpus videos", allow_module_level=True)
 
-SPEC = CorpusSpec(
+CORPUS_SPEC = CorpusSpec(
     num_images=16, num_videos=3, seed=3, png_fraction=0.25, image_short_side=(120, 220),
     large_fraction=0.25, large_short_side=(700, 800), video_duration_s=(1.0, 1.4),
     video_fps=(24,), video_sizes=((128, 96),), video_keyint=(8,), shard_bytes=200_000,
 )
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("dscorpus"))
-    write_corpus(SPEC, out)
-    return out
 
 
 def _roots(out):
@@ -48,8 +41,8 @@ def test_same_items_from_tree_manifest_and_shards(corpus):
                                 modality="image", size=64, crop="center")
         for name, root in roots.items()
     }
-    assert {len(d) for d in sets.values()} == {SPEC.num_images}
-    for i in range(SPEC.num_images):
+    assert {len(d) for d in sets.values()} == {CORPUS_SPEC.num_images}
+    for i in range(CORPUS_SPEC.num_images):
         items = [d[i] for d in sets.values()]
         assert len({it["key"] for it in items}) == 1
         assert all(torch.equal(items[0]["image"], it["image"]) for it in items)
@@ -96,7 +89,7 @@ def test_video_clips_are_the_frames_asked_for(corpus):
     spec = ClipSpec(num_frames=4, stride=3, sampling="start")
     ds = MultimodalDataset(_roots(corpus)["shards"], source="shards", decoder="torchcodec",
                            modality="video", clip=spec)
-    assert len(ds) == SPEC.num_videos
+    assert len(ds) == CORPUS_SPEC.num_videos
     for i in range(len(ds)):
         clip = ds[i]["video"]
         assert clip.shape[:2] == (4, 3)

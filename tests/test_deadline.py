@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastmm
-from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+from fastmm.bench.mmcorpus import CorpusSpec
 from fastmm.config import ConfigError, decode_deadline
 from fastmm.dataset import MultimodalDataset
 from fastmm.decode import DecodeError
@@ -25,7 +25,7 @@ from fastmm.stream import ShardStream
 
 from _datasets import CorruptOn  # the same keys as plain damage: what a stuck run must match
 
-SPEC = CorpusSpec(num_images=24, num_videos=0, seed=5, image_short_side=(64, 96),
+CORPUS_SPEC = CorpusSpec(num_images=24, num_videos=0, seed=5, image_short_side=(64, 96),
                   large_fraction=0.0, shard_bytes=60_000)
 DEADLINE = 1.0
 
@@ -42,13 +42,6 @@ class StuckOn(PilDecoder):
         if key in self.keys:
             ctypes.PyDLL(None).sleep(3600)  # PyDLL: the GIL stays held; signals do not help
         return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("deadline"))
-    write_corpus(SPEC, out)
-    return out
 
 
 def _dataset(corpus, decoder, on_error, source="posix", deadline=DEADLINE):
@@ -84,7 +77,7 @@ def test_stuck_sample_is_replaced_like_a_corrupt_one(corpus, transport):
     started = time.monotonic()
     got = _keys(fastmm.DataLoader(data, batch_size=4, num_workers=2))[0]
     took = time.monotonic() - started
-    assert got == want and not set(stuck) & set(got) and len(got) == SPEC.num_images
+    assert got == want and not set(stuck) & set(got) and len(got) == CORPUS_SPEC.num_images
     assert data.skipped == {"deadline": 2} and data.replaced == 2
     assert took < 2 * (DEADLINE + 5), took  # one deadline per stuck sample, plus restarts
 

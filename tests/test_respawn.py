@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 import fastmm
-from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+from fastmm.bench.mmcorpus import CorpusSpec
 
 from _datasets import CorruptOn
 from _resume_job import Augmented, AugmentedStream, EpochStream, PositionedStream
@@ -176,12 +176,8 @@ def test_a_persistent_worker_killed_between_epochs_is_replaced():
     assert sorted(r[0] for b in loader for r in b.tolist()) == list(range(23))
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("respawn"))
-    write_corpus(CorpusSpec(num_images=60, num_videos=0, seed=3, image_short_side=(32, 48),
-                            large_fraction=0.0, shard_bytes=40_000), out)
-    return out
+CORPUS_SPEC = CorpusSpec(num_images=60, num_videos=0, seed=3, image_short_side=(32, 48),
+                         large_fraction=0.0, shard_bytes=40_000)
 
 
 @pytest.mark.parametrize("kind", ["map", "stream"])
