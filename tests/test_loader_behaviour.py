@@ -27,6 +27,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils.worker import _generate_state
 
 import fastmm
+from _processes import live_children, wait_for_children_to_go
 from _datasets import (
     BrokenIterable,
     CustomError,
@@ -79,26 +80,6 @@ def outcome(fn):
         return ("ok", fn())
     except Exception as exc:  # noqa: BLE001 - comparing whatever torch raises
         return (type(exc), str(exc))
-
-
-def live_children() -> set[int]:
-    out = set()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                out.add(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def wait_for_children_to_go(before: set[int], seconds: float = 5.0) -> set[int]:
-    deadline = time.monotonic() + seconds
-    while True:
-        extra = live_children() - before
-        if not extra or time.monotonic() > deadline:
-            return extra
-        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 import fastmm
 from fastmm.slabs import _address
+from _processes import live_children, wait_until
 from _shm import private_tmpfs, used_bytes
 
 
@@ -43,23 +44,10 @@ def _check(batch, start: int, size: int):
         assert int(image.min()) == int(image.max()) == i % 251
 
 
-def _children():
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()}
-
-
 @pytest.fixture
 def helpers_before():
     """Children that were there before the test (a forkserver, a resource tracker): not ours."""
-    return _children()
-
-
-def _wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return live_children()
 
 
 def _open_fds() -> set[str]:
@@ -79,7 +67,7 @@ def test_ring_reuses_slabs_in_steady_state(transport, monkeypatch):
         assert created <= 2 * (loader.prefetch_factor + 2)
         del it, batch
         gc.collect()
-        assert _wait_until(lambda: used_bytes(shm) == 0)
+        assert wait_until(lambda: used_bytes(shm) == 0)
 
 
 class Growing(Dataset):
@@ -109,7 +97,7 @@ def test_batches_that_grew_then_settled_reuse_slabs(transport, monkeypatch):
         assert len(settled) <= 2 * (loader.prefetch_factor + 2)  # 80 batches since
         del it, batch
         gc.collect()
-        assert _wait_until(lambda: used_bytes(shm) == 0)
+        assert wait_until(lambda: used_bytes(shm) == 0)
 
 
 def _numpy_stack(batch):
@@ -134,7 +122,7 @@ def test_numpy_batches_travel_in_slabs_and_give_them_back(transport, monkeypatch
         assert created <= 2 * (loader.prefetch_factor + 2)
         del it, batch, images
         gc.collect()
-        assert _wait_until(lambda: used_bytes(shm) == 0)
+        assert wait_until(lambda: used_bytes(shm) == 0)
 
 
 def _aliases(batch):
@@ -202,10 +190,10 @@ def test_kept_batches_grow_the_ring_and_stay_intact(transport, monkeypatch):
             _check(batch, 8 * k, 8)
         del batch
         gc.collect()
-        assert _wait_until(lambda: used_bytes(shm) < grown / 4)
+        assert wait_until(lambda: used_bytes(shm) < grown / 4)
         del loader
         gc.collect()
-        assert _wait_until(lambda: used_bytes(shm) == 0)
+        assert wait_until(lambda: used_bytes(shm) == 0)
 
 
 def test_nothing_left_after_delete_or_error(transport, monkeypatch, helpers_before):
@@ -220,8 +208,8 @@ def test_nothing_left_after_delete_or_error(transport, monkeypatch, helpers_befo
                 break  # break out early
         del loader, batch
         gc.collect()
-        assert _wait_until(lambda: _children() <= helpers_before)
-        assert _wait_until(lambda: used_bytes(shm) == 0)
+        assert wait_until(lambda: live_children() <= helpers_before)
+        assert wait_until(lambda: used_bytes(shm) == 0)
 
         class Broken(Frames):
             def __getitem__(self, i):
@@ -236,11 +224,11 @@ def test_nothing_left_after_delete_or_error(transport, monkeypatch, helpers_befo
         with pytest.raises(ValueError, match="bad sample 20"):
             consume()
         gc.collect()
-        assert _wait_until(lambda: _children() <= helpers_before)
-        assert _wait_until(lambda: used_bytes(shm) == 0)
+        assert wait_until(lambda: live_children() <= helpers_before)
+        assert wait_until(lambda: used_bytes(shm) == 0)
         ours = [n for n in set(os.listdir("/dev/shm")) - shm_names if f"_{os.getpid()}_" in n]
         assert not ours  # nothing named by this process (other processes may share /dev/shm)
-        assert _wait_until(lambda: _open_fds() <= fds)
+        assert wait_until(lambda: _open_fds() <= fds)
 
 
 _KILLED_MAIN = textwrap.dedent(
@@ -299,9 +287,9 @@ def test_kill_9_of_main_leaves_no_worker_and_no_shared_memory(transport, tmp_pat
             assert set(pids) <= made
             main.send_signal(signal.SIGKILL)
             main.wait(timeout=10)
-            assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in made), timeout=5), \
+            assert wait_until(lambda: not any(psutil.pid_exists(p) for p in made), timeout=5), \
                 [psutil.Process(p).cmdline() for p in made if psutil.pid_exists(p)]
-            assert _wait_until(lambda: used_bytes(shm) == 0, timeout=5)
+            assert wait_until(lambda: used_bytes(shm) == 0, timeout=5)
         finally:
             main.kill()
             main.stdout.close()
@@ -363,7 +351,7 @@ def test_full_shm_is_a_clear_error_not_a_sigbus(transport, monkeypatch, helpers_
         assert shm in message and "bytes" in message and "shm-size" in message
         del info  # its traceback holds the iterator
         gc.collect()
-        assert _wait_until(lambda: _children() <= helpers_before)
+        assert wait_until(lambda: live_children() <= helpers_before)
 
 
 _FEW_FILES = textwrap.dedent(
