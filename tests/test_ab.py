@@ -120,6 +120,7 @@ def test_a_module_that_does_not_import_is_named(tmp_path, capsys):
         assert repr(target) in err and says in err, err
 
 
+@pytest.mark.slow
 def test_a_step_that_raises_shows_its_traceback_and_writes_no_report(tmp_path):
     (tmp_path / "index.html").write_text("an earlier run's page")
     proc = bench("--dataset", f"{PIPE}:shapes", "--step", f"{PIPE}:broken_step", "--batch-size",

@@ -439,6 +439,7 @@ def test_samples_kept_apart_are_counted_as_samples():
     assert workloads.batch_len(workloads.stack_numpy(batch)) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, collate", [("numpy", "stack_numpy"), ("bytes", "keep_list")])
 def test_numpy_transport_case_runs_side_by_side(tmp_path, mode, collate):
     """Batches a collate_fn keeps in NumPy (stacked, or read-only samples in a list): both
@@ -455,6 +456,7 @@ def test_numpy_transport_case_runs_side_by_side(tmp_path, mode, collate):
     assert f"collate_fn={collate}" in case["arms"]["fastmm"]["description"]
 
 
+@pytest.mark.slow
 def test_captions_workload_runs_side_by_side(tmp_path):
     from fastmm.bench import cli
 
@@ -523,6 +525,7 @@ def test_environment_records_storage_versions_and_topology(tmp_path):
     assert record["training_code_git"]["repo"] is None or record["training_code_git"]["commit"]
 
 
+@pytest.mark.slow
 def test_pipelines_quick_run_records_every_repetition(tmp_path):
     """python -m fastmm.bench.pipelines end to end, small: every arm's rate per repetition,
     and paired ratios of fastmm over each torch arm and over its own variants."""
@@ -710,6 +713,7 @@ def test_dali_arm_yields_uint8_batches_of_the_output_size(tmp_path):
     assert colours(0) == first and colours(1) != first
 
 
+@pytest.mark.slow
 def test_resume_cost_quick_run_times_both_ways(tmp_path):
     """python -m fastmm.bench.resume_cost end to end, small: both ways timed at the stop, with
     their paired ratio (no figure is asserted: timings belong to the benchmark)."""
@@ -727,6 +731,7 @@ def test_resume_cost_quick_run_times_both_ways(tmp_path):
     assert "ratio" in (out / "resume_cost.md").read_text()
 
 
+@pytest.mark.slow
 def test_telemetry_cost_quick_run_pairs_every_arm_with_off(tmp_path):
     """python -m fastmm.bench.telemetry_cost end to end on the tiny dataset, 2 blocks: every
     arm of every block drew samples in its windows, the ratios to "off" (the noise floor's
@@ -810,6 +815,7 @@ def test_quick_presets_give_way_to_what_the_command_line_says():
         "images": 10, "worlds": [2, 4], "quick": False}
 
 
+@pytest.mark.slow
 def test_a_terminated_study_removes_its_temporary_data_and_says_so(tmp_path):
     """SIGTERM (timeout, a scheduler) ends a study as Ctrl-C does: its finally clauses run."""
     import signal
@@ -831,6 +837,7 @@ def test_a_terminated_study_removes_its_temporary_data_and_says_so(tmp_path):
     assert not (tmp_path / "out" / "shards.json").exists()
 
 
+@pytest.mark.slow
 def test_an_interrupted_bench_run_keeps_the_cases_that_finished(tmp_path):
     import signal
 

@@ -358,7 +358,9 @@ def test_enough_configurations():
     assert len(CASES) >= 40
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [  # workers started by spawn or forkserver import torch anew
+    pytest.param(c, id=c.id, marks=[pytest.mark.slow] * ("spawn" in c.id or "forkserver" in c.id))
+    for c in CASES])
 def test_same_batches_as_torch(case: Case, transport):
     for module in case.requires:
         pytest.importorskip(module)

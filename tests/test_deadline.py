@@ -110,6 +110,7 @@ def test_raise_names_the_stuck_key_within_the_deadline(corpus):
     assert time.monotonic() - started < DEADLINE + 10
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_shard_stream_with_a_stuck_sample(corpus):
     """An IterableDataset over the dataset: the replacement worker picks up where the stuck

@@ -22,6 +22,7 @@ def _run(tmp_path, *extra):
     return json.loads((out / "decode_rates.json").read_text()), (out / "decode_rates.md").read_text()
 
 
+@pytest.mark.slow
 def test_rates_on_this_machine(tmp_path):
     result, text = _run(tmp_path)
     assert result["images"] and result["videos"]
@@ -35,6 +36,7 @@ def test_rates_on_this_machine(tmp_path):
         assert "nvJPEG not measured" in text and "NVDEC not measured" in text
 
 
+@pytest.mark.slow
 def test_gpu_arms_plumbing_pointed_at_the_cpu(tmp_path):
     result, text = _run(tmp_path, "--accelerator", "cpu")
     for arm in result["images"].values():
@@ -46,6 +48,7 @@ def test_gpu_arms_plumbing_pointed_at_the_cpu(tmp_path):
     assert result["nvdec"]["measured"] and "not measured" not in text
 
 
+@pytest.mark.slow
 def test_the_crossover_reaches_the_main_jobs_index(tmp_path):
     """Where the GPU arms were measured (here pointed at the CPU, for the plumbing), the finding
     says how many cores one GPU matches per class, and the main job's index shows it with the

@@ -28,6 +28,7 @@ def _torchrun(world: int, out, *args) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_torchrun_job_sees_every_id_once_per_epoch(world, tmp_path):
     ranks = _torchrun(world, tmp_path)
@@ -54,6 +55,7 @@ def test_torchrun_job_sees_every_id_once_per_epoch(world, tmp_path):
     assert orders[0] != orders[1]  # each epoch reshuffled by itself
 
 
+@pytest.mark.slow
 def test_torchrun_job_over_tar_shards_reads_every_sample_once(tmp_path):
     """MultimodalDataset over tar shards (random access by offset index) + DistributedSampler:
     2 ranks x 2 workers read every sample of the shards once per epoch, padding aside."""
@@ -71,6 +73,7 @@ def test_torchrun_job_over_tar_shards_reads_every_sample_once(tmp_path):
         assert ranks[0]["epochs"][epoch]["batches"] == ranks[1]["epochs"][epoch]["batches"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_torchrun_job_streaming_whole_shards_keeps_ranks_in_step(world, tmp_path):
     """fastmm.ShardStream under torchrun: whole shards per (rank, worker), every sample once

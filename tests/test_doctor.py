@@ -96,6 +96,7 @@ def test_ring_bytes_follow_the_documented_formula():
     assert doctor.ring_bytes(8, 2, 77_000_000) == 8 * 4 * 77_000_000
 
 
+@pytest.mark.slow
 def test_the_doctor_command_reports_and_flags_problems():
     ok = subprocess.run([sys.executable, "-m", "fastmm.doctor"], capture_output=True, text=True)
     assert ok.returncode == 0 and "shared memory (" in ok.stdout and ok.stdout.endswith("OK\n")
@@ -108,6 +109,7 @@ def test_the_doctor_command_reports_and_flags_problems():
     assert many.returncode == 0 and "WARNING: " in many.stdout  # slower, not broken
 
 
+@pytest.mark.slow
 def test_the_doctor_names_each_bad_variable_and_refuses_bad_arguments(tmp_path):
     bad = dict(os.environ, FASTMM_SHM_DIR=str(tmp_path / "missing"), FASTMM_DECODE="opencv",
                FASTMM_STAGE_DIR=str(tmp_path / "missing" / "stage"))

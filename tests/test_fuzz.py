@@ -18,6 +18,7 @@ HARNESS = os.path.join(os.path.dirname(__file__), "..", "fuzz", "fuzz.py")
 SECONDS = int(os.environ.get("FASTMM_FUZZ_SECONDS", "12"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SECONDS + 120)
 @pytest.mark.parametrize("target", ["tar", "index", "gather", "planes", "layout", "state", "mp4"])
 def test_fuzz_target_finds_nothing_in_a_short_run(target, tmp_path):

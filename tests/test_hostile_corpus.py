@@ -123,6 +123,7 @@ def test_every_damaged_image_decodes_or_is_counted(hostile, decoder):
     assert problems.get("truncated")  # the shard cut short
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoder", ["torchvision", "torchcodec", "dali"])
 def test_damaged_images_of_every_format_fail_as_decode_errors(decoder):
     """A library error of the kinds that say our call no longer fits the library (TypeError,
@@ -180,6 +181,7 @@ print(json.dumps({"decoded": sum(item is not None for item in loader), "skipped"
 """
 
 
+@pytest.mark.slow
 def test_every_skip_is_reported_with_its_key(hostile):
     """In a plain process (no test harness holding the log): one 'fastmm' log line per counted
     sample, naming its key and where its bytes came from, written by the worker that met it."""

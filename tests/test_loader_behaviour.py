@@ -497,6 +497,7 @@ def test_killed_worker_raises_runtime_error_like_torch(timeout, transport):
         assert elapsed < 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("timeout", [0, 20], ids=["no_timeout", "timeout"])
 def test_worker_exit_after_its_pipe_closes_raises_exited_unexpectedly_like_torch(timeout, transport):
     """A worker whose pipes close a second before it exits (code 3): the loop gets torch's
@@ -533,6 +534,7 @@ def _time_out(cls):
     return result[1], elapsed
 
 
+@pytest.mark.slow
 def test_timeout_raises_like_torch(transport):
     message, elapsed = _time_out(fastmm.DataLoader)
     assert message == f"DataLoader timed out after {_TIMEOUT} seconds"
@@ -603,6 +605,7 @@ def test_a_batch_that_fails_to_unpickle_is_its_error_and_the_epoch_goes_on(trans
     assert len(errors) == 1 and "cannot be rebuilt" in errors[0] and "worker 0" in errors[0]
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_killed_when_the_loader_goes(transport):
     """A worker that cannot take SIGTERM (stopped by SIGSTOP or a debugger, or ignoring it)
     is killed, not left behind, as torch's loader leaves it."""
@@ -659,6 +662,7 @@ print(len(list(fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=2,
 """
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_start_is_torchs_error_and_nothing_else(transport):
     """spawn pickles the worker's arguments: a lambda collate_fn fails to start it. torch's
     PicklingError and warning, then no noise from the half-made iterator as it goes (before: an
@@ -687,6 +691,7 @@ if {stop}:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [False, True], ids=["running", "one stopped"])
 def test_persistent_workers_alive_at_exit_leave_quietly(transport, stop):
     """The interpreter exits with persistent workers still up: no unclosed-socket warnings,
@@ -705,6 +710,7 @@ def test_persistent_workers_alive_at_exit_leave_quietly(transport, stop):
 @pytest.mark.parametrize("from_thread, context", [(False, None), (True, None),
                                                   (False, "forkserver")],
                          ids=["main-thread", "other-thread", "forkserver"])
+@pytest.mark.slow
 def test_workers_exit_when_the_main_process_is_killed(transport, from_thread, context):
     """kill -9 of the main process: its (persistent, idle) workers do not outlive it, whether
     the main thread started them (the kernel's signal) or another thread (a polling thread), or
@@ -1130,6 +1136,7 @@ print(json.dumps({name: max(int(b) for b in cls(dataset, batch_size=None, num_wo
 """
 
 
+@pytest.mark.slow
 def test_a_garbage_collection_in_a_worker_copies_no_inherited_pages():
     """torch's workers copy every page holding a Python object of the main process the first
     time a full collection runs there (it writes into each object it visits); fastmm's leave

@@ -75,6 +75,7 @@ def test_sources_and_decoders_unpickle_nothing():
                                   "FASTMM_TELEMETRY", "FASTMM_TELEMETRY_DIR",
                                   "FASTMM_PURE_PYTHON", "FASTMM_DECODE_DEADLINE",
                                   "FASTMM_WORKER_MALLOC"])
+@pytest.mark.slow
 def test_no_environment_value_runs_a_command(name, tmp_path):
     marker = tmp_path / "ran"
     code = ("import fastmm, torch\n"

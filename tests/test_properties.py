@@ -147,6 +147,6 @@ class OncePerEpoch(RuleBasedStateMachine):
         self.__dict__.pop("it", None)
 
 
-TestOncePerEpoch = OncePerEpoch.TestCase
+TestOncePerEpoch = pytest.mark.slow(OncePerEpoch.TestCase)
 TestOncePerEpoch.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])

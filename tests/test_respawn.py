@@ -65,6 +65,7 @@ def _run(make, kills: set[int], sig=signal.SIGKILL):
     return out, (len(pids), len(killed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
 def test_random_kills_lose_nothing_and_change_nothing(sig, transport):
     def make():

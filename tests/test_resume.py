@@ -100,6 +100,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*worker processes in total")
 @pytest.mark.filterwarnings("ignore:.*pin_memory.*")
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
@@ -138,6 +139,7 @@ def test_a_cheap_rng_capture_equals_a_full_one():
         last = cheap
 
 
+@pytest.mark.slow
 def test_resume_where_a_batch_uses_up_a_cached_gaussian():
     """A batch that only takes NumPy's cached Gaussian changes its state all the same."""
     _check_resume_everywhere(
@@ -145,6 +147,7 @@ def test_resume_where_a_batch_uses_up_a_cached_gaussian():
         lambda per_epoch: [1, 2, 3, 4, 5, per_epoch + 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_with_the_samplers_own_generator(num_workers):
     """RandomSampler(generator=g), g not the loader's: its state at the epoch's first draw (and,
@@ -158,6 +161,7 @@ def test_resume_with_the_samplers_own_generator(num_workers):
     _check_resume_everywhere(make, _stops)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*worker processes in total")
 def test_resume_with_a_distributed_sampler_per_rank():
     for rank in range(2):
@@ -170,6 +174,7 @@ def test_resume_with_a_distributed_sampler_per_rank():
         _check_resume_everywhere(make, _stops)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_with_a_distributed_sampler_inside_a_batch_sampler(num_workers):
     """The sampler that draws is the one inside the batch sampler (the loader's own .sampler is
@@ -183,6 +188,7 @@ def test_resume_with_a_distributed_sampler_inside_a_batch_sampler(num_workers):
     _check_resume_everywhere(make, _stops)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_an_iterable_dataset(num_workers):
     def make():
@@ -192,6 +198,7 @@ def test_resume_an_iterable_dataset(num_workers):
     _check_resume_everywhere(make, lambda n: [0, 1, 3, n - 3, n - 1, n, n + 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_a_stream_that_keeps_its_own_position(num_workers):
     """Each worker's copy (or, without workers, the one) goes on from the state it had after
@@ -206,6 +213,7 @@ def test_resume_a_stream_that_keeps_its_own_position(num_workers):
 @pytest.mark.parametrize("config", [dict(num_workers=0), dict(num_workers=2),
                                     dict(num_workers=2, persistent_workers=True)],
                          ids=["no workers", "2 workers", "2 persistent workers"])
+@pytest.mark.slow
 def test_resume_a_stream_whose_copies_count_their_epochs(config):
     """Persistent workers' copies carry their state into the next epoch: a state saved between
     epochs, or early in the next, keeps each worker's count (torchdata's TestMultiEpochState)."""
@@ -406,6 +414,7 @@ def _made(log_dir) -> list[int]:
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_stream_with_its_own_state_is_not_read_again(tmp_path, num_workers):
     """A resumed loader does not pull and drop what was handed out when the stream's iterator
@@ -668,6 +677,7 @@ def test_the_multimodal_dataset_keeps_its_skip_counts(tmp_path):
 @pytest.mark.parametrize("in_order, subset, workers",
                          [(True, False, 2), (False, False, 2), (True, True, 2), (True, False, 66)],
                          ids=["in order", "out of order", "through a Subset", "66 workers"])
+@pytest.mark.slow
 def test_mid_epoch_skip_counts_are_those_of_the_batches_handed_out(tmp_path, in_order, subset,
                                                                    workers):
     """Workers run ahead of the loop: the bad samples in batches made but not handed out are
@@ -779,6 +789,7 @@ def _steps(path) -> list:
     return [by_step[k] for k in sorted(by_step)]
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_of_the_whole_job(tmp_path):
     world = 2
     clean, killed = tmp_path / "clean", tmp_path / "killed"

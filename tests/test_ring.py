@@ -75,6 +75,7 @@ def test_surplus_free_slabs_are_retired_and_unpinned(pair):
     assert pinned == {}  # nothing stays page-locked after close
 
 
+@pytest.mark.slow
 def test_slabs_too_small_for_grown_batches_are_retired_not_kept(pair):
     """Once batches outgrow a free slab, no batch starts in it again: it goes (and is unpinned),
     so that the free slabs kept are ones the next batches can use."""

@@ -244,6 +244,7 @@ print(json.dumps({"skip_keys": skip.keys(), "skipped": skip.skipped,
 """
 
 
+@pytest.mark.slow
 def test_a_directory_that_cannot_be_listed_is_counted_not_lost(tmp_path):
     """os.walk passes over a directory it cannot list without a word: its samples were lost
     uncounted. Now it is one damaged entry ("b/"): counted under skip, raising when read under

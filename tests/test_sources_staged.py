@@ -368,6 +368,7 @@ print(json.dumps({"cost": src.staging_cost, "n": len(src), "last": src.read(len(
 """
 
 
+@pytest.mark.slow
 def test_three_processes_stage_each_file_once(tmp_path, serve):
     remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
     samples = [(f"s{i:03d}", {"bin": os.urandom(20000)}) for i in range(24)]
@@ -404,6 +405,7 @@ def _send_half_then_stall(handler, source, outputfile):
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_a_stager_killed_mid_copy_leaves_no_partial_copy(tmp_path, serve):
     """kill -9 while a copy is half written: the next stager removes what it left (its bucket's
     lock is free, so no live stager is writing it) and stages the file whole."""

@@ -108,6 +108,7 @@ def test_streamed_batches_are_torchs(kind, style, transport):
     _check_against_torch(style(kind), style, watched=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dict", "dtype_changes"])
 def test_streamed_batches_under_telemetry_are_torchs(kind, transport):
     """Watched, samples come through telemetry's timed dataset: some timed alone and streamed,

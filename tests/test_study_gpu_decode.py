@@ -14,6 +14,7 @@ from fastmm.bench import stats, study_gpu_decode  # noqa: E402
 from _browser import render  # noqa: E402
 
 
+@pytest.mark.slow
 def test_gpu_decode_study_end_to_end(tmp_path):
     out = tmp_path / "out"
     assert study_gpu_decode.main(["--quick", "--out", str(out), "--cache-dir",

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torchvision")
 
 
+@pytest.mark.slow
 def test_sharded_storage_study_under_torchrun(tmp_path):
     """Study 3, quick: every layout runs in a real 2-rank torchrun job with equal batch counts;
     its page shows the finding and both plots."""

@@ -31,6 +31,7 @@ def test_throttled_server_holds_its_rate(tmp_path):
     assert 0.45 <= elapsed <= 1.5  # 2 MB at 4 MB/s
 
 
+@pytest.mark.slow
 def test_staging_study_end_to_end(tmp_path):
     out = tmp_path / "out"
     assert study_staging.main(["--quick", "--out", str(out), "--cache-dir", str(tmp_path / "c"),

@@ -18,6 +18,7 @@ from _browser import render  # noqa: E402
 PARTS = {p.name: p for p in suite.PARTS}
 
 
+@pytest.mark.slow
 def test_suite_runs_a_part_and_its_index_leads_with_its_finding(tmp_path, capsys):
     out = tmp_path / "out"
     assert suite.main(["--quick", "--only", "staging", "--out", str(out),
@@ -65,6 +66,7 @@ def test_index_shows_the_pipelines_answer_and_plots_and_says_what_failed(tmp_pat
     assert "**shards failed (exit 1)" in open(md).read()
 
 
+@pytest.mark.slow
 def test_loader_part_gets_an_html_report_and_a_sentence_in_the_index(tmp_path):
     """fastmm-bench's side-by-side run (small clips, 2 repetitions): its report.html shows the
     finding and a rates plot per case; with 2 repetitions the call can only be "undecided"."""

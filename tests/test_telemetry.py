@@ -34,6 +34,7 @@ def loader_cls(request):
     return LOADERS[request.param]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, context", [(0, None), (2, None), (2, "spawn")])
 def test_stage_latencies_are_the_sleeps(loader_cls, workers, context):
     """Spawned workers find the span log by pickle (the others inherit it)."""
@@ -380,6 +381,7 @@ class Allocates(Dataset):
         return i
 
 
+@pytest.mark.slow
 def test_worker_memory_is_the_memory_it_touched(loader_cls, tmp_path):
     mark = tmp_path / "allocating"
     tm = Telemetry(interval_s=0.05, pss_interval_s=0.05)
@@ -401,6 +403,7 @@ def test_worker_memory_is_the_memory_it_touched(loader_cls, tmp_path):
     assert m["total_pss_bytes"]["max"] >= m["main_pss_bytes"]["max"] + (Allocates.MIB << 20)
 
 
+@pytest.mark.slow
 def test_pss_is_swept_early_then_every_pss_interval_or_once_at_the_end():
     """A PSS sweep walks every page table of every process (3-15 ms a torch process): none at
     the start; the first at FIRST_PSS_S (0.5 s), then at about twice the time so far, until
@@ -501,6 +504,7 @@ class Images(Dataset):
         return torch.full((3, 224, 224), i % 251, dtype=torch.uint8)
 
 
+@pytest.mark.slow
 def test_loader_host_bytes_holds_the_batches_in_flight(loader_cls, tmp_path):
     """What the loader added to the host's memory: its processes' Pss_Anon over the main
     process's before the epoch, plus the host's Shmem over its own then (torch's batches
@@ -790,6 +794,7 @@ def test_environment_exports_also_when_the_loop_stops_early(monkeypatch, tmp_pat
                 break
 
 
+@pytest.mark.slow
 def test_environment_watched_iterator_is_the_loaders_and_exports_at_exit(monkeypatch, tmp_path):
     """FASTMM_TELEMETRY changes nothing a loop sees: the iterator has len() and the loader
     iterator's attributes, a caught error leaves the epoch going on (as in torch); an epoch
@@ -1012,6 +1017,7 @@ class FailsAt(Dataset):
         return i
 
 
+@pytest.mark.slow
 def test_an_error_the_loop_catches_leaves_the_watched_epoch_going(loader_cls):
     """As unwatched: the loop may catch one batch's error and go on; len() of the iterator
     works; every error counts in samples_failed."""

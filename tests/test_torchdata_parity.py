@@ -224,6 +224,7 @@ def test_copies_that_count_their_epochs_carry_them_through_a_restore(num_workers
                                                  restored_third)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_a_state_before_and_after_the_epoch_end_as_with_torchdata(num_workers, shuffle):

@@ -387,6 +387,7 @@ _FEW_FILES = textwrap.dedent(
     (8, 8, "starting DataLoader worker"),  # not enough for the workers' channels
     (24, 2, "slab"),  # the workers start; the kept batches' slabs run out of descriptors
 ])
+@pytest.mark.slow
 def test_too_few_file_descriptors_is_a_clear_error(transport, tmp_path, spare, workers, where):
     """Running out of descriptors is torch's RuntimeError naming the limit and the remedies
     (it was a bare OSError from socketpair or mmap), and leaves no worker behind."""
@@ -428,6 +429,7 @@ class Big(Dataset):
         return torch.full((4, 1024, 1024), i % 251, dtype=torch.uint8)
 
 
+@pytest.mark.slow
 def test_slow_loop_maps_only_the_batch_in_hand(transport):
     """A loop slower than its workers: what is waiting or free is mapped by no process, so the
     slabs' PSS over main and workers is about the batch being read, not the whole ring."""
@@ -447,6 +449,7 @@ def test_slow_loop_maps_only_the_batch_in_hand(transport):
     assert max(peaks) <= 2 * batch_bytes  # ... but only about one is mapped
 
 
+@pytest.mark.slow
 def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(transport, monkeypatch):
     """FASTMM_SLAB_MEMORY=lean: with a loop as fast as it can go, the batches queued for it are
     mapped by no process; only the batch being read and those being written count. (By default
@@ -484,6 +487,7 @@ class SlowBig(Dataset):
         return torch.full((4, 1024, 1024), i % 251, dtype=torch.uint8)
 
 
+@pytest.mark.slow
 def test_free_slabs_give_their_memory_back_while_batches_are_slow(transport, monkeypatch):
     """Free slabs give their pages back while batches are slow to make or the loop waits: the
     shared memory in use is the batches in flight (as torch's would be), not every slab the
