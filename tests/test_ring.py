@@ -35,7 +35,7 @@ def _write_batch(writer, ring, sock, payload: bytes):
     used, new, retired = writer.finish()
     ring.retire(0, retired)
     if new:
-        ring.receive(0, sock, new)
+        ring.receive(0, sock, new, worker_id=0)
     views = ring.lend(0, used)
     # The consumer must hold the lent view object itself, as torch.frombuffer does (a memoryview
     # slice or np.frombuffer shares the buffer without keeping the view object alive).

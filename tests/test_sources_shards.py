@@ -17,7 +17,7 @@ import torch
 
 import fastmm
 from fastmm.sources import Sample, ShardSource, SourceError, open_source, slot_of, write_shards
-from fastmm.sources.base import Progress
+from fastmm.sources.base import ProgressLines
 
 wds = pytest.importorskip("webdataset")
 
@@ -110,7 +110,7 @@ def test_index_cache_beside(tmp_path):
 def test_long_indexing_reports_progress(tmp_path, monkeypatch, capsys):
     write_shards(_samples(), str(tmp_path), max_count=10)  # 3 shards
     assert len(ShardSource(str(tmp_path))) == 23 and capsys.readouterr().err == ""  # quick: quiet
-    monkeypatch.setattr(Progress, "EVERY_S", 0.0)  # as if each shard took 5 s
+    monkeypatch.setattr(ProgressLines, "EVERY_S", 0.0)  # as if each shard took 5 s
     lines = []
     assert len(ShardSource(str(tmp_path), progress=lines.append)) == 23
     assert [line.split(": ")[-1].split(" shards")[0] for line in lines] == ["0/3", "1/3", "2/3", "3/3"]

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from fastmm.config import ConfigError, SourceConfig
-from fastmm.sources.base import Progress
+from fastmm.sources.base import ProgressLines
 from fastmm.sources.staged import corpus_dir_name
 from fastmm.sources import (
     PosixSource,
@@ -96,7 +96,7 @@ def test_long_staging_reports_progress(tmp_path, monkeypatch, capsys):
     files = _tree(remote)
     StagedSource(remote, str(tmp_path / "quick"))  # under 5 s: says nothing
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(Progress, "EVERY_S", 0.0)  # as if every file took 5 s
+    monkeypatch.setattr(ProgressLines, "EVERY_S", 0.0)  # as if every file took 5 s
     lines = []
     StagedSource(remote, str(tmp_path / "slow"), progress=lines.append)
     assert len(lines) == len(files)

@@ -30,10 +30,10 @@ from torch.utils.data._utils.collate import (
 
 from . import _streaming
 from ._layout import copy_into, interleaved_bytes
+from .slabs import ALIGN
 from .telemetry.recorder import TimedCollate
 
 INLINE_MAX_BYTES = 16 * 1024  # smaller storages travel inside the message; a slab is not worth it
-_ALIGN = 64  # storage copies start on a cache line, like the allocations they come from
 
 _writer = None  # this worker's SlabWriter while a batch is being collated and packed
 
@@ -281,7 +281,7 @@ class _SlabPickler(pickle.Pickler):
         the main process needs to rebuild the tensors."""
         places = []
         for storage, lo, hi in self.storages:
-            start = lo - lo % _ALIGN  # keeps every tensor's offset a multiple of its item size
+            start = lo - lo % ALIGN  # keeps every tensor's offset a multiple of its item size
             nbytes = hi - start
             raw = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,), (1,))
             if nbytes <= INLINE_MAX_BYTES:

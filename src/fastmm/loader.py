@@ -379,7 +379,8 @@ def _readable(conn) -> bool:
     return bool(poller.poll(0))
 
 
-def _signal_name(exitcode: int | None) -> str:
+def _how_it_ended(exitcode: int | None) -> str:
+    """A dead worker's end in words: the signal that killed it, or its exit code."""
     if exitcode is None:
         return "closed its result channel and did not exit"
     if exitcode >= 0:
@@ -632,7 +633,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         for i in lost if fault else ():
             self._task_deaths[i] = self._task_deaths.get(i, 0) + 1
             if self._task_deaths[i] > _MAX_DEATHS_PER_TASK:
-                why = _signal_name(self._workers[worker_id].exitcode)
+                why = _how_it_ended(self._workers[worker_id].exitcode)
                 raise RuntimeError(
                     f"DataLoader worker {worker_id} died {self._task_deaths[i]} times on the "
                     f"same batch (indices {self._task_index[i]}; last: {why}); not respawning"
@@ -822,13 +823,14 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             for i in failed:
                 self._mark_worker_as_unavailable(i)
             details = "; ".join(
-                f"worker {i} (pid {self._workers[i].pid}): {_signal_name(self._workers[i].exitcode)}"
+                f"worker {i} (pid {self._workers[i].pid}): "
+                f"{_how_it_ended(self._workers[i].exitcode)}"
                 for i in failed
             )
             pid, exitcode = self._workers[failed[0]].pid, self._workers[failed[0]].exitcode
             if exitcode is not None and exitcode < 0:  # torch's words (its SIGCHLD handler's)
                 raise RuntimeError(f"DataLoader worker (pid {pid}) is killed by signal: "
-                                   f"{_signal_name(exitcode)}. ({details})")
+                                   f"{_how_it_ended(exitcode)}. ({details})")
             pids = ", ".join(str(self._workers[i].pid) for i in failed)
             raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}")
         return False, None
@@ -853,7 +855,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         channel = self._channels[worker_id]
         self._ring.retire(channel, retired)
         if new:
-            self._ring.receive(channel, self._fd_socks[worker_id], new)
+            self._ring.receive(channel, self._fd_socks[worker_id], new, worker_id)
             self._check_shared_memory(max(capacity for _, capacity in new))
         views = self._ring.lend(channel, used)
         if status == "end":

@@ -43,7 +43,7 @@ import numpy as np
 
 from .config import TransportConfig
 
-_ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
+ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
 _GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
 IDLE_TRIM_S = 0.02  # below this much spare time per step, never unmap
 PACE_STEPS = 4  # the loop's last steps whose mean is its pace, for giving pages back
@@ -194,7 +194,7 @@ class SlabWriter:
         """A writable region of ``nbytes`` for the current batch: (slab id, offset, view)."""
         for entry in self._batch:
             slab_id, used = entry
-            start = _round_up(used, _ALIGN)
+            start = _round_up(used, ALIGN)
             if start + nbytes <= self._slabs[slab_id].capacity:
                 entry[1] = start + nbytes
                 return slab_id, start, memoryview(self._slabs[slab_id].mm)[start : start + nbytes]
@@ -328,11 +328,14 @@ class SlabRing:
         # their mean, the pace (batches of several workers come in bursts, each step short)
         self._steps_s: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
         self._closed = False
-        self._gone: set[int] = set()  # workers that died (on_worker_failure="respawn")
+        self._gone: set[int] = set()  # channels of workers that died (on_worker_failure="respawn")
         _raise_fd_limit()
 
-    def receive(self, worker_id: int, fd_sock: socket.socket, new: list[tuple[int, int]]) -> None:
-        """Map the slabs a worker just created (their fds wait on ``fd_sock``)."""
+    def receive(self, channel: int, fd_sock: socket.socket, new: list[tuple[int, int]],
+                worker_id: int) -> None:
+        """Map the slabs a worker just created (their fds wait on ``fd_sock``). ``channel``:
+        the worker's key in this ring (a replacement worker gets a new one), ``worker_id`` for
+        errors."""
         doing = f"mapping the slabs of DataLoader worker {worker_id}"
         _, fds, flags, _ = socket.recv_fds(fd_sock, 1, len(new))
         try:
@@ -345,19 +348,19 @@ class SlabRing:
                     mm = mmap.mmap(fd, capacity, flags=flags)
                 if self._pin is not None:
                     self._pin(_address(mm), capacity)
-                self._maps[(worker_id, slab_id)] = mm
-                self._held[(worker_id, slab_id)] = False
+                self._maps[(channel, slab_id)] = mm
+                self._held[(channel, slab_id)] = False
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def retire(self, worker_id: int, slab_ids: list[int]) -> None:
+    def retire(self, channel: int, slab_ids: list[int]) -> None:
         """Unmap free slabs their worker closed (SlabWriter._retire_small)."""
         for slab_id in slab_ids:
-            self._held.pop((worker_id, slab_id), None)
-            self._unmap((worker_id, slab_id))
+            self._held.pop((channel, slab_id), None)
+            self._unmap((channel, slab_id))
 
-    def lend(self, worker_id: int, slab_ids: list[int]) -> dict[int, memoryview]:
+    def lend(self, channel: int, slab_ids: list[int]) -> dict[int, memoryview]:
         """Views of a batch's slabs; each slab comes back when its view object is freed.
 
         Consumers must keep the view object itself alive, as ``torch.frombuffer`` does: a slice
@@ -365,7 +368,7 @@ class SlabRing:
         self._last_lend = time.monotonic()
         views = {}
         for slab_id in slab_ids:
-            key = (worker_id, slab_id)
+            key = (channel, slab_id)
             view = memoryview(self._maps[key])
             self._held[key] = True
             self._mapped_free.discard(key)
@@ -405,15 +408,15 @@ class SlabRing:
         step_s = sum(steps) / len(steps) if give_back else steps[-1]
         return self._lean or step_s >= max(IDLE_TRIM_S, 5 * per_byte * len(self._maps[key]))
 
-    def forget(self, worker_id: int) -> None:
+    def forget(self, channel: int) -> None:
         """A worker is gone: unmap its free slabs now and its lent ones when they come back."""
-        self._gone.add(worker_id)
-        for key in [k for k, held in self._held.items() if k[0] == worker_id and not held]:
+        self._gone.add(channel)
+        for key in [k for k, held in self._held.items() if k[0] == channel and not held]:
             del self._held[key]
             self._unmap(key)
 
     def drain(self) -> dict[int, tuple[list[int], list[int], list[int]]]:
-        """Slabs released since the last call, per worker: (to reuse, to destroy, those to
+        """Slabs released since the last call, per channel: (to reuse, to destroy, those to
         reuse whose pages were given back)."""
         out: dict[int, tuple[list[int], list[int], list[int]]] = {}
         copying = []
@@ -422,14 +425,14 @@ class SlabRing:
             if fence is not None and not fence.query():  # a copy from it is still queued
                 copying.append((key, fence))
                 continue
-            worker_id, slab_id = key
-            if worker_id in self._gone:  # nobody to give it back to
+            channel, slab_id = key
+            if channel in self._gone:  # nobody to give it back to
                 self._held.pop(key, None)
                 self._unmap(key)
                 continue
             self._held[key] = False
-            free = sum(1 for k, held in self._held.items() if k[0] == worker_id and not held)
-            release, destroy, punched = out.setdefault(worker_id, ([], [], []))
+            free = sum(1 for k, held in self._held.items() if k[0] == channel and not held)
+            release, destroy, punched = out.setdefault(channel, ([], [], []))
             if key in self._punched:
                 self._punched.discard(key)
                 punched.append(slab_id)

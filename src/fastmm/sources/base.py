@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Literal, NamedTuple
 
 from ..errors import SampleError
 
-OnError = Literal["raise", "skip"]
+OnReadError = Literal["raise", "skip"]
 
 # read errors that are the process's, not the file's (out of descriptors or memory): they
 # propagate, where counting them as bad samples could skip the rest of the corpus
@@ -89,7 +89,7 @@ def to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class Progress:
+class ProgressLines:
     """Lines about a long pass over ``total`` units to ``say``: none in its first ``EVERY_S``
     seconds (a quick pass stays quiet), then one every ``EVERY_S`` and one when it ends."""
 
@@ -121,7 +121,7 @@ class Source:
 
     kind = "base"
 
-    def __init__(self, *, on_error: OnError = "raise", keep_problems: int = 100, _errors=None):
+    def __init__(self, *, on_error: OnReadError = "raise", keep_problems: int = 100, _errors=None):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r}; use 'raise' or 'skip'")
         self.on_error = on_error

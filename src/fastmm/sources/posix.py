@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 from .base import (
     NOT_SAMPLE_ERRNOS,
-    OnError,
+    OnReadError,
     Sample,
     Source,
     SourceError,
@@ -38,7 +38,7 @@ class PosixSource(Source):
         self,
         root: str,
         *,
-        on_error: OnError = "raise",
+        on_error: OnReadError = "raise",
         required: Sequence[str] = (),
         max_member_bytes: int = 1 << 31,
         files: Sequence[str] | None = None,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal, Sequence
 
 from .base import (
-    NOT_SAMPLE_ERRNOS, OnError, Progress, Sample, Source, SourceError, check_split, slot_of,
-    split_name, to_stderr, unsafe_name,
+    NOT_SAMPLE_ERRNOS, OnReadError, ProgressLines, Sample, Source, SourceError, check_split,
+    slot_of, split_name, to_stderr, unsafe_name,
 )
 
 BLOCK = 512
@@ -255,7 +255,7 @@ class ShardSource(Source):
         self,
         root: str | Sequence[str],
         *,
-        on_error: OnError = "raise",
+        on_error: OnReadError = "raise",
         required: Sequence[str] = (),
         max_member_bytes: int = 1 << 31,
         index_cache: Literal["memory", "beside"] = "memory",
@@ -361,7 +361,7 @@ class ShardSource(Source):
     def _index(self):
         if self._entries is None:
             out = []
-            meter = Progress(self._progress, "indexing shards", len(self.shards), "shards")
+            meter = ProgressLines(self._progress, "indexing shards", len(self.shards), "shards")
             for s, shard in enumerate(self.shards):
                 meter.update(s)
                 for key, offset, members, problem in self._scan(shard):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
 from ..config import SourceConfig
-from .base import OnError, Progress, Sample, Source, SourceError, to_stderr, unsafe_name
+from .base import OnReadError, ProgressLines, Sample, Source, SourceError, to_stderr, unsafe_name
 from .posix import PosixSource
 from .shards import ShardSource, iter_members
 
@@ -135,7 +135,7 @@ class StagedSource(Source):
         max_member_bytes: int = 1 << 31,
         extract: bool = False,
         entry: str = "",
-        on_error: OnError = "raise",
+        on_error: OnReadError = "raise",
         defer_failures: bool | None = None,
         timeout_s: float = 60.0,
         keep_problems: int = 100,
@@ -333,7 +333,8 @@ class StagedSource(Source):
 
     def _stage_all(self, progress: Callable[[str], None] | None) -> None:
         total = sum(f.size for f in self.files)
-        meter = Progress(progress, f"staging {self.remote} -> {self.stage_dir}", total / 1e6, "MB")
+        meter = ProgressLines(progress, f"staging {self.remote} -> {self.stage_dir}",
+                              total / 1e6, "MB")
         done = 0
         for n, f in enumerate(self.files, 1):
             try:
