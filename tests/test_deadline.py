@@ -253,7 +253,7 @@ def test_deadline_from_argument_and_environment(monkeypatch):
 @pytest.mark.filterwarnings("ignore::fastmm.FastmmWarning")  # used without a loader
 def test_expired_samples_travel_in_the_state_dict(corpus):
     data = _dataset(corpus, PilDecoder(), "skip")
-    data.sample_watch.expire(3, None)
+    data.fastmm_sample_watch.expire(3, None)
     again = _dataset(corpus, PilDecoder(), "skip")
     again.load_state_dict(data.state_dict())
     assert again[3] is None and again.skipped == {"deadline": 1}
@@ -293,7 +293,7 @@ def test_too_many_expired_samples_is_an_error_not_a_loop(corpus):
     """Past SampleWatch.CAP remembered samples, one more could not be remembered: tried again,
     it would stick again, forever; so the loop stops with an error."""
     data = _dataset(corpus, StuckOn(_stuck_keys(corpus)), "skip")
-    data.sample_watch.CAP = 1
+    data.fastmm_sample_watch.CAP = 1
     with pytest.raises(RuntimeError, match="more than 1 samples took over decode_deadline"):
         for _ in fastmm.DataLoader(data, batch_size=4, num_workers=2):
             pass

@@ -757,7 +757,7 @@ def test_environment_exports_also_when_the_loop_stops_early(monkeypatch, tmp_pat
     monkeypatch.setenv("FASTMM_TELEMETRY", "trace")
     monkeypatch.setenv("FASTMM_TELEMETRY_DIR", str(tmp_path))
     loader = fastmm.DataLoader(Staged(), batch_size=4, num_workers=2)
-    monkeypatch.setattr(fastmm.loader, "_EXPORT_EVERY_S", 0.0)
+    monkeypatch.setattr(fastmm.telemetry.auto, "_EXPORT_EVERY_S", 0.0)
     for step, _ in enumerate(loader):
         (out,) = tmp_path.iterdir()
         summary = json.load(open(out / "summary.json"))  # written after each batch here
@@ -777,7 +777,7 @@ def test_environment_exports_also_when_the_loop_stops_early(monkeypatch, tmp_pat
                 raise ValueError("sample 10")
             return i
 
-    monkeypatch.setattr(fastmm.loader, "_EXPORT_EVERY_S", 300.0)
+    monkeypatch.setattr(fastmm.telemetry.auto, "_EXPORT_EVERY_S", 300.0)
     failing = fastmm.DataLoader(Failing(), batch_size=4, num_workers=0)
     with pytest.raises(ValueError, match="sample 10"):
         list(failing)

@@ -7,14 +7,14 @@ Messages from the main process (on the worker's index queue):
   ("slabs", release_ids, destroy_ids, punched_ids)  slabs the main process no longer views;
                                    punched: released ones whose pages it gave back
   ("resume", shared_seed, epoch)   a new epoch on persistent workers; epoch: the main process's
-                                   ShardStream.epoch, passed on to this copy (else None)
+                                   hooks.epoch, passed on to this copy (else None)
   None                             exit
 Messages to the main process (on the worker's result connection), all tuples:
   (send_idx, kind, payload, slab_ids_used, new_slabs, retired_slabs, rng, stream, counts) with
   kind one of "data", "error", "end"; retired_slabs: free slabs the worker closed; rng: the
   worker's RNG states after the task if it changed them, else None; stream: an
   IterableDataset's resume.stream_state() after the task (resume.py); counts: its row of the
-  dataset's skip counts (dataset.skip_counters) if the task changed it;
+  dataset's skip counts (hooks.skip_counts) if the task changed it;
   ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
 """
 
@@ -41,8 +41,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.fetch import _IterableDatasetFetcher, _MapDatasetFetcher
 from torch.utils.data.graph_settings import apply_random_seed
 
-from . import _streaming, collate, resume
-from .dataset import skip_counters
+from . import _streaming, collate, hooks, resume
 from .slabs import IDLE_WORKER_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
@@ -254,7 +253,7 @@ def worker_loop(
         except Exception:
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
         rng_watch = resume.Watch(resume.capture_rng)
-        counters = skip_counters(dataset)
+        counters = hooks.skip_counts(dataset)
         counts_watch = resume.Watch(lambda _: None if counters is None else counters.row(worker_id))
 
         iteration_end = False

@@ -34,7 +34,6 @@ import torch.utils.data
 from . import config
 from ._shared import SharedArray, row_of, this_worker
 from ._streaming import sample_by_sample
-from ._wrappers import all_wrapped
 from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
 from .decode.base import CropPlan
 from .errors import FastmmWarning
@@ -170,6 +169,10 @@ class _Counters(SharedArray):
             self._array[_column(reason)] += int(n)
         self._array[width - 1] = int(replaced)
 
+    def met(self) -> int:
+        """Bad samples met so far (skipped or replaced), in every process."""
+        return sum(self.totals()[0].values())
+
     def totals(self) -> tuple[dict[str, int], int]:
         rows = self._as_handed_out or self._array
         sums = np.asarray(rows, dtype=np.int64).reshape(self.ROWS, -1).sum(axis=0).tolist()
@@ -190,47 +193,6 @@ class _Counters(SharedArray):
             yield
         finally:
             self._as_handed_out = None
-
-
-def skip_counters(dataset) -> "_CountersOf | None":
-    """The skip counts of the MultimodalDatasets ``dataset`` is or wraps (a ConcatDataset's
-    several), as one. A worker sends its row with each batch, so that a loader replacing it can
-    put the row back to its last batch received (the replacement makes the rest again, and
-    counts what it meets again), and a loader's state can count the batches handed out."""
-    parts = [c for c in all_wrapped(dataset, "_counters") if isinstance(c, _Counters)]
-    return _CountersOf(parts) if parts else None
-
-
-class _CountersOf:
-    """Several datasets' _Counters, their rows end to end."""
-
-    ROWS = _Counters.ROWS
-
-    def __init__(self, parts: list[_Counters]):
-        self.parts = parts
-
-    def _split(self, counts: list[int]) -> list[list[int]]:
-        width = len(REASONS) + 1
-        return [counts[i * width:(i + 1) * width] for i in range(len(self.parts))]
-
-    def row(self, worker_id: int | None) -> list[int]:
-        return [n for c in self.parts for n in c.row(worker_id)]
-
-    def met(self) -> int:
-        """Bad samples met so far (skipped or replaced), in every process."""
-        return sum(sum(c.totals()[0].values()) for c in self.parts)
-
-    def set_row(self, worker_id: int | None, counts: list[int]) -> None:
-        for c, part in zip(self.parts, self._split(counts)):
-            c.set_row(worker_id, part)
-
-    @contextlib.contextmanager
-    def handed_out(self, rows: list):
-        split = [None if r is None else self._split(r) for r in rows]
-        with contextlib.ExitStack() as stack:
-            for i, c in enumerate(self.parts):
-                stack.enter_context(c.handed_out([None if r is None else r[i] for r in split]))
-            yield
 
 
 class SampleWatch(SharedArray):
@@ -313,7 +275,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
     resized with the same plan for the whole clip. ``transform`` runs last on the item dict.
     """
 
-    marks_sample_stage = True  # telemetry: its own "sample" spans, one per item
+    fastmm_marks_sample_stage = True  # telemetry: its own "sample" spans, one per item (hooks)
 
     def __init__(
         self,
@@ -369,9 +331,9 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self.on_error = on_error
         self.max_replace = max_replace
         self.problems: deque[Problem] = deque(maxlen=keep_problems)  # this process's latest
-        self._counters = _Counters()
+        self.fastmm_skip_counts = _Counters()
         deadline = config.decode_deadline(decode_deadline)
-        self.sample_watch = SampleWatch(deadline) if deadline else None
+        self.fastmm_sample_watch = SampleWatch(deadline) if deadline else None
         self._said_unwatched = False  # warned that no loader enforces the deadline here
         self._items: list[int] | None = None
 
@@ -410,28 +372,28 @@ class MultimodalDataset(torch.utils.data.Dataset):
     @property
     def skipped(self) -> dict[str, int]:
         """Bad samples met so far, by reason, summed over this process and its workers."""
-        return self._counters.totals()[0]
+        return self.fastmm_skip_counts.totals()[0]
 
     @property
     def replaced(self) -> int:
         """How many of those were replaced by another sample (on_error="replace")."""
-        return self._counters.totals()[1]
+        return self.fastmm_skip_counts.totals()[1]
 
     def state_dict(self) -> dict:
         """What a resumed run carries on from (``DataLoader.state_dict`` includes it): the skip
         and replace counts. Which samples come next is the loader's state; a bad sample is
         skipped or replaced the same way every time, so it needs nothing more."""
-        skipped, replaced = self._counters.totals()
+        skipped, replaced = self.fastmm_skip_counts.totals()
         state = {"skipped": skipped, "replaced": replaced}
-        if self.sample_watch is not None:  # so a resumed run does not get stuck on them again
-            state["expired"] = sorted(self.sample_watch.expired())
+        if self.fastmm_sample_watch is not None:  # so a resumed run does not get stuck on them again
+            state["expired"] = sorted(self.fastmm_sample_watch.expired())
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self._counters.set_totals(state["skipped"], state["replaced"])
+        self.fastmm_skip_counts.set_totals(state["skipped"], state["replaced"])
         for item in state.get("expired", ()):
-            if self.sample_watch is not None and item not in self.sample_watch.expired():
-                self.sample_watch.expire(item, None)
+            if self.fastmm_sample_watch is not None and item not in self.fastmm_sample_watch.expired():
+                self.fastmm_sample_watch.expire(item, None)
 
     # -- items ---------------------------------------------------------------------------------
 
@@ -480,7 +442,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         )
 
     def _load_watched(self, item: int) -> dict:
-        watch = self.sample_watch
+        watch = self.fastmm_sample_watch
         if watch is None:
             return self._load(self._items[item])
         if item in watch.expired():
@@ -501,7 +463,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
 
     def _count(self, error: SourceError | DecodeError, replaced: bool) -> None:
         origin = getattr(error, "origin", "")
-        self._counters.add(error.reason, replaced)
+        self.fastmm_skip_counts.add(error.reason, replaced)
         self.problems.append(Problem(error.reason, error.key, origin, str(error)))
         log.warning("fastmm: %s sample %r (%s): %s", "replaced" if replaced else "skipped",
                     error.key, origin or "decoder", error)

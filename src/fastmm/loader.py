@@ -23,12 +23,10 @@ import queue
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 import types
 import warnings
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -46,15 +44,12 @@ from torch.utils.data.dataloader import (
     _worker_init_fn_t,
 )
 
-from . import collate, resume
+from . import collate, hooks, resume
 from ._workers import StopFlag, worker_loop
-from ._wrappers import all_wrapped
-from .config import TelemetryConfig, TransportConfig
-from .dataset import skip_counters
+from .config import TransportConfig
 from .slabs import SlabRing, open_files_guard
-from .stream import ShardStream
-from .telemetry import Telemetry
-from .telemetry.recorder import _Forwarding, unwatched
+from .telemetry import auto as auto_export
+from .telemetry.recorder import unwatched
 
 _STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 log = logging.getLogger("fastmm")
@@ -185,19 +180,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.snapshot_every_n_steps = snapshot_every_n_steps
 
     def __iter__(self):
-        config = TelemetryConfig.from_env()
-        if config.mode == "off":
-            return super().__iter__()
-        # FASTMM_TELEMETRY: one session per loader, exported at the end of every epoch to a
-        # directory of its own (a training and a validation loader, or the ranks of a job on
-        # one host, would overwrite each other's files)
-        directory = config.made_directory()
-        tm = self.__dict__.get("_fastmm_telemetry")
-        if tm is None:
-            tm = self.__dict__["_fastmm_telemetry"] = Telemetry(trace=config.mode == "trace")
-            self.__dict__["_fastmm_telemetry_name"] = _telemetry_name()
-        directory = os.path.join(directory, self.__dict__["_fastmm_telemetry_name"])
-        return _ExportedEpoch(tm, iter(tm.watch(self, _iterate=super().__iter__)), directory)
+        # FASTMM_TELEMETRY=summary|trace: the epoch watched and exported (telemetry/auto.py)
+        return auto_export.epoch(self, super().__iter__)
 
     def _get_iterator(self):
         restore = self.__dict__.pop("_fastmm_restore", None)
@@ -229,7 +213,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.__dict__["_fastmm_progress"] = progress
 
 
-_telemetry_loaders = itertools.count()
 
 
 _starter: tuple[int, queue.SimpleQueue] | None = None  # (pid, its starter thread's tasks)
@@ -278,81 +261,6 @@ def _whole_number(name: str, value):
     except TypeError:
         raise TypeError(f"{name} should be an integer, but got {name}={value!r} "
                         f"({type(value).__name__})") from None
-
-
-def _telemetry_name() -> str:
-    """``loader<k>`` (the k-th loader this process watched from the environment), after
-    ``rank<r>-`` in a distributed job (torch.distributed's rank, else torchrun's RANK)."""
-    rank = (torch.distributed.get_rank() if torch.distributed.is_available()
-            and torch.distributed.is_initialized() else os.environ.get("RANK", "").strip())
-    name = f"loader{next(_telemetry_loaders)}"
-    return f"rank{rank}-{name}" if str(rank).isdigit() else name
-
-
-_EXPORT_EVERY_S = 300.0
-
-
-class _ExportedEpoch(_Forwarding):
-    """The epoch's iterator (len() and attributes as the loader's own); the exports are written
-    when it ends, however it ends (it runs out, the loop breaks out or lets go of it, the
-    interpreter exits mid-epoch), the summary and time series also when a batch fails and every
-    _EXPORT_EVERY_S meanwhile (a pretraining loop may stop by step count and never finish an
-    epoch). A failed write is a warning: telemetry never stops the training."""
-
-    _OWN = ("_epoch", "_tm", "_directory", "_due", "_closed")
-
-    def __init__(self, tm: Telemetry, epoch, directory: str):
-        self._epoch, self._tm, self._directory = epoch, tm, directory
-        self._due = time.monotonic() + _EXPORT_EVERY_S
-        self._closed = False
-        _OPEN_EXPORTS.add(self)
-
-    def __iter__(self):
-        return self
-
-    def __len__(self):
-        return len(self._epoch)
-
-    def __next__(self):
-        try:
-            batch = next(self._epoch)
-        except StopIteration:
-            self.close()
-            raise
-        except Exception:  # the loop may go on, or end here with the iterator in a traceback
-            _export(self._tm, self._directory, trace=False)
-            raise
-        if time.monotonic() >= self._due:
-            _export(self._tm, self._directory, trace=False)
-            self._due = time.monotonic() + _EXPORT_EVERY_S
-        return batch
-
-    def close(self) -> None:
-        if self._closed or sys.is_finalizing():  # (too late to write: modules are going)
-            return
-        self._closed = True
-        _OPEN_EXPORTS.discard(self)
-        self._epoch.close()  # the epoch's own bookkeeping first (sampler stopped, wall time)
-        paths = _export(self._tm, self._directory, trace=True)
-        if paths:
-            print(f"fastmm telemetry: {', '.join(paths.values())}", file=sys.stderr)
-
-    def __del__(self):
-        self.close()
-
-
-_OPEN_EXPORTS: weakref.WeakSet = weakref.WeakSet()
-# an epoch still open at exit (a loop stopped by step count, a module-level iterator) is
-# exported before the interpreter starts taking modules down
-atexit.register(lambda: [epoch.close() for epoch in list(_OPEN_EXPORTS)])
-
-
-def _export(tm: Telemetry, directory: str, trace: bool) -> dict[str, str] | None:
-    try:
-        return tm.export(directory, trace=trace)
-    except OSError as e:
-        warnings.warn(f"fastmm telemetry: could not write to {directory}: {e}", stacklevel=3)
-        return None
 
 
 def _call(fn, *args):
@@ -526,7 +434,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._context, self._transport = context, transport
         self._respawn = loader.on_worker_failure == "respawn"
         # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
-        self._watches = all_wrapped(self._dataset, "sample_watch")
+        self._watches = hooks.sample_watches(self._dataset)
         for watch in self._watches:
             watch.watched = True
         self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
@@ -542,7 +450,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._channels = list(range(self._num_workers))
         self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
         self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
-        self._counters = skip_counters(self._dataset)
+        self._counters = hooks.skip_counts(self._dataset)
         self._last_counts = [None] * self._num_workers  # its row of them, after that batch
         for worker_id in range(self._num_workers):
             self._start_worker(worker_id, self._worker_resume(worker_id, restore))
@@ -737,10 +645,9 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             itertools.cycle(range(self._num_workers)), first_worker, None
         )
         if not first_iter:
-            # a ShardStream's set_epoch() reaches the workers' copies of it too (torch passes
-            # nothing to persistent workers, so other datasets' copies keep theirs, as there)
-            stream = unwatched(self._dataset)
-            epoch = stream.epoch if isinstance(stream, ShardStream) else None
+            # a dataset offering fastmm_epoch (a ShardStream) has its workers' copies follow
+            # the main one's set_epoch (hooks.py)
+            epoch = hooks.epoch(unwatched(self._dataset))
             for index_queue in self._index_queues:
                 index_queue.put(("resume", self._shared_seed, epoch))
             self._awaiting_resume = set(range(self._num_workers))  # a respawned one starts anew

@@ -33,8 +33,8 @@ import zlib
 import torch
 from torch.utils.data import IterableDataset
 
+from . import hooks
 from ._wrappers import all_wrapped
-from .dataset import skip_counters
 
 VERSION = 1
 
@@ -642,7 +642,7 @@ def encode(loader, progress: Progress | None) -> dict:
         # none to give (torchdata does not ask it)
         state["dataset"] = dataset_state(loader.dataset)
     else:
-        counters = skip_counters(loader.dataset)
+        counters = hooks.skip_counts(loader.dataset)
         with (counters.handed_out(p.worker_counts) if counters is not None and p.mid_epoch
               else contextlib.nullcontext()):
             state["dataset"] = own_state(loader.dataset)

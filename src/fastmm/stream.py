@@ -63,6 +63,11 @@ class ShardStream(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    @property
+    def fastmm_epoch(self) -> int:
+        """The epoch persistent workers' copies are given too (hooks.py)."""
+        return self.epoch
+
     def plan(self, num_workers: int = 1) -> tuple[list[list[int]], int]:
         """This epoch's shards (positions in ``self.shards``) for every slot, slot
         ``rank * num_workers + worker``, and the number of samples each slot yields."""
@@ -111,7 +116,7 @@ class _Slot:
         self.tried = 0  # samples tried, going round the slot's shards again under "pad"
         self.yielded = 0
         self.made = 0  # yielded in this round of the shards: a round with none was all bad
-        self._counters = stream.dataset._counters
+        self._counters = stream.dataset.fastmm_skip_counts
         self._base = self._counts()  # this process's counts as the slot began
 
     def __iter__(self):

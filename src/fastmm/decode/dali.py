@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
+from .library import LibraryDecoder
 from .base import (
     NOT_SAMPLE_ERRORS,
     PNG_SIGNATURE,
@@ -24,7 +25,6 @@ from .base import (
     DecodeError,
     DecoderFault,
     DecodeLimits,
-    LibraryDecoder,
     check_gpu_usable,
     crop_resize,
     jpeg_frame_header,

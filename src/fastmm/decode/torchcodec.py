@@ -18,13 +18,13 @@ from torchcodec import decoders as tcd
 from torchcodec.transforms import DecoderTransform
 
 from . import mp4
+from .library import LibraryDecoder
 from .base import (
     NOT_SAMPLE_ERRORS,
     ClipSpec,
     CropPlan,
     DecodeError,
     DecoderFault,
-    LibraryDecoder,
     check_gpu_usable,
     crop_resize,
 )

@@ -16,13 +16,13 @@ import torch
 import torchvision.io as tvio
 from PIL import Image
 
+from .library import LibraryDecoder
 from .base import (
     NOT_SAMPLE_ERRORS,
     CropPlan,
     DecodeError,
     DecodeLimits,
     PNG_SIGNATURE,
-    LibraryDecoder,
     check_gpu_usable,
     crop_resize,
     jpeg_size,

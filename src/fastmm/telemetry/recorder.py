@@ -21,7 +21,7 @@ import torch
 
 from .._shared import row_of, this_worker
 from .._streaming import copy_spans, no_batch, sample_by_sample
-from .._wrappers import all_wrapped
+from .. import hooks
 
 STAGES = ("sample", "read", "decode", "augment", "collate")
 _CODE = {name: i for i, name in enumerate(STAGES)}
@@ -221,7 +221,7 @@ def stage(name: str):
 
 
 def sample_stage():
-    """The whole of one sample, for a dataset that sets ``marks_sample_stage = True`` (then the
+    """The whole of one sample, for a dataset that sets ``fastmm_marks_sample_stage = True`` (then the
     telemetry's wrapper does not time its samples itself, and counts each one once)."""
     return _stage(_SAMPLE)
 
@@ -285,7 +285,7 @@ class TimedDataset(_Forwarding, torch.utils.data.Dataset):
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
-        self._marks_samples = any(all_wrapped(dataset, "marks_sample_stage"))
+        self._marks_samples = hooks.marks_sample_stage(dataset)
         # [samples the next batch times alone (the first batch: all), where they start]; a
         # list, not attributes: setting those goes through _Forwarding's __setattr__
         self._plan = [1 << 62, 0]
@@ -380,7 +380,7 @@ class TimedIterableDataset(_Forwarding, torch.utils.data.IterableDataset):
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
-        self._marks_samples = any(all_wrapped(dataset, "marks_sample_stage"))
+        self._marks_samples = hooks.marks_sample_stage(dataset)
 
     def __iter__(self):
         row = activate(self._log)

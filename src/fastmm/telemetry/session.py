@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 import torch
 
+from .. import hooks
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, Distribution
 from .recorder import (_COLLATE, _SAMPLE, SAMPLE_COPY, STAGES, SpanLog, TimedCollate,
@@ -32,11 +33,9 @@ from .sampler import Sampler, baseline
 
 
 def _skipped(dataset) -> int:
-    """Samples the MultimodalDatasets ``dataset`` is or wraps (Subset, ShardStream,
-    ConcatDataset) left out or replaced so far, in every process."""
-    from ..dataset import skip_counters  # not at the top: fastmm.dataset imports telemetry
-
-    counters = skip_counters(dataset)
+    """Samples the datasets ``dataset`` is or wraps (Subset, ShardStream, ConcatDataset) left
+    out or replaced so far, in every process, where they count them (hooks.py)."""
+    counters = hooks.skip_counts(dataset)
     return counters.met() if counters is not None else 0
 
 
