@@ -125,7 +125,7 @@ def _exit_when_orphaned(start_method: str, main_pid: int | None) -> None:
 
     Linux sends SIGKILL the moment the worker's parent thread ends (PR_SET_PDEATHSIG), with no
     help from this process. The loader starts its workers from a thread that lives as long as
-    its process (``loader._start_on_a_lasting_thread``), so under fork and spawn that parent
+    its process (``_pool.start_on_a_lasting_thread``), so under fork and spawn that parent
     is the loader's process. Under forkserver the parent is the forkserver, which ends once no
     process holds its "alive" pipe, and each of its children inherits one: this worker closes
     its own, so the forkserver ends with the loader's process, and this worker with it. A

@@ -11,22 +11,16 @@ the per-worker seeds, ``persistent_workers``, ``prefetch_factor`` and ``timeout`
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
 import logging
 import multiprocessing.connection
 import operator
 import os
-import pickle
-import queue
 import select
 import signal
-import socket
-import threading
 import time
 import types
-import warnings
 from collections.abc import Iterable
 
 import torch
@@ -45,40 +39,14 @@ from torch.utils.data.dataloader import (
 )
 
 from . import collate, hooks, resume
-from ._workers import StopFlag, worker_loop
+from ._pool import STATUS_CHECK_INTERVAL_S, WorkerPool
 from .config import TransportConfig
-from .slabs import SlabRing, open_files_guard
+from .slabs import SlabRing
 from .telemetry import auto as auto_export
 from .telemetry.recorder import unwatched
 
-_STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 log = logging.getLogger("fastmm")
 _MAX_DEATHS_PER_TASK = 3  # a batch that kills a worker this often is the batch's fault
-# id(iterator) -> its result connections, fd sockets and worker processes, and its process id
-_OPEN_CHANNELS: dict[int, tuple] = {}
-
-
-@atexit.register
-def _close_open_channels() -> None:
-    """At exit, close the channels of iterators still open (persistent workers), as their own
-    shutdown would: torch skips that shutdown at exit, and the workers then see their loop gone.
-    Then end the workers: multiprocessing's exit handler (registered before this one, so it
-    runs after) would wait without end for one that outlives SIGTERM."""
-    workers = []
-    for iterator_id, (conns, socks, processes, owner_pid) in list(_OPEN_CHANNELS.items()):
-        for channel in [*conns, *socks]:
-            if channel is not None:
-                channel.close()
-        if owner_pid == os.getpid():  # (a forked child's copy names its parent's workers)
-            workers += [process for process in processes if process is not None]
-            try:  # their ends are not failures for torch's SIGCHLD handler to raise
-                torch_utils.signal_handling._remove_worker_pids(iterator_id)
-            except (RuntimeError, ValueError):
-                pass  # (never registered: respawn and deadline iterators watch their own)
-    _OPEN_CHANNELS.clear()
-    _end_processes(workers)
-
-
 class _Received:
     """A batch as a worker sent it, rebuilt (collate.unpack) as it is handed out: an error in
     rebuilding it (an object that unpickles only in workers) is then that batch's, raised in its
@@ -96,22 +64,6 @@ class _Received:
             e.add_note(f"(raised in the main process, rebuilding a batch from DataLoader "
                        f"worker {self.worker_id})")
             raise
-
-
-def _end_processes(processes: list) -> None:
-    """SIGTERM, one wait for all, then SIGKILL for any still there: one stopped (SIGSTOP, a
-    debugger) or ignoring SIGTERM, which torch's loader and multiprocessing leave behind or
-    wait for without end."""
-    lingering = [process for process in processes if process.is_alive()]
-    for process in lingering:
-        process.terminate()
-    deadline = time.monotonic() + _STATUS_CHECK_INTERVAL_S
-    for process in lingering:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for process in lingering:
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=_STATUS_CHECK_INTERVAL_S)
 
 
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
@@ -213,45 +165,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.__dict__["_fastmm_progress"] = progress
 
 
-
-
-_starter: tuple[int, queue.SimpleQueue] | None = None  # (pid, its starter thread's tasks)
-_starter_lock = threading.Lock()
-
-
-def _start_on_a_lasting_thread(start) -> None:
-    """``start()`` (a worker's ``Process.start``) on a thread that lives as long as this
-    process: the main thread, or else one daemon thread kept for it. The kernel's parent-death
-    signal, which ends a worker the moment the loader's process dies (even one stuck in C with
-    the GIL held), follows the thread that forked the worker: from a loop's own thread it would
-    end the workers with that thread, so it could not be used there."""
-    global _starter
-    if threading.current_thread() is threading.main_thread():
-        start()
-        return
-    with _starter_lock:
-        if _starter is None or _starter[0] != os.getpid():  # (none in a forked child)
-            tasks: queue.SimpleQueue = queue.SimpleQueue()
-            threading.Thread(target=_serve_starts, args=(tasks,), daemon=True,
-                             name="fastmm-worker-starter").start()
-            _starter = (os.getpid(), tasks)
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    _starter[1].put((start, done))
-    error = done.get()
-    if error is not None:
-        raise error
-
-
-def _serve_starts(tasks: queue.SimpleQueue) -> None:
-    while True:
-        start, done = tasks.get()
-        try:
-            start()
-        except BaseException as exc:  # raised again in the thread that asked
-            done.put(exc)
-        else:
-            done.put(None)
-        del start, done
 
 
 def _whole_number(name: str, value):
@@ -430,8 +343,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             self._prefetch_factor + 1, pin=pin, unpin=unpin, fence=fence,
             lean=transport.slab_memory == "lean",
         )
-        self._workers_done_event = StopFlag(context)
-        self._context, self._transport = context, transport
+        self._transport = transport
         self._respawn = loader.on_worker_failure == "respawn"
         # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
         self._watches = hooks.sample_watches(self._dataset)
@@ -441,13 +353,16 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._shm_checked = 0  # the largest ring size checked against free shared memory
         self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
         self._unsaid: list[str] = []  # warned at the next next(), before it changes anything
-        self._index_queues = [None] * self._num_workers
-        self._workers = [None] * self._num_workers
-        self._result_conns = [None] * self._num_workers
-        self._fd_socks = [None] * self._num_workers
-        # the slab ring knows a worker by its channel: a respawned worker gets a new one, so
-        # its slab ids cannot meet those of the batches its predecessor left in the loop's hands
-        self._channels = list(range(self._num_workers))
+        self._pool = WorkerPool(self._num_workers, context, self._ring, dict(
+            dataset_kind=self._dataset_kind, dataset=self._dataset,
+            auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+            drop_last=self._drop_last, base_seed=self._base_seed,
+            init_fn=self._worker_init_fn, num_workers=self._num_workers,
+            transport=transport), _call_as_torch)
+        # the pool's own lists, by worker id (a replacement takes its predecessor's place)
+        self._workers, self._index_queues = self._pool.processes, self._pool.index_queues
+        self._result_conns, self._fd_socks = self._pool.result_conns, self._pool.fd_socks
+        self._channels = self._pool.channels  # the slab ring's key for each (_pool.py)
         self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
         self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
         self._counters = hooks.skip_counts(self._dataset)
@@ -457,78 +372,17 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         if restore is not None and restore.base_seed is not None:
             self._last_rng = list(restore.worker_rng)
         self._last_stream = list(self._progress.worker_streams)
-        # Held outside the iterator as well: if the iterator dies in a reference cycle, its
-        # channels must not be finalized (closed) before its own shutdown closes them.
-        _OPEN_CHANNELS[id(self)] = (
-            self._result_conns, self._fd_socks, self._workers, self._owner_pid)
         if not (self._respawn or self._watches):  # else deaths are this iterator's, not torch's
             torch_utils.signal_handling._set_worker_pids(
                 id(self), tuple(w.pid for w in self._workers))
             torch_utils.signal_handling._set_SIGCHLD_handler()
-            self._worker_pids_set = True
+            self._worker_pids_set = self._pool.signal_id = id(self)
         self._reset(loader, first_iter=True)
 
     def _start_worker(self, worker_id: int, restore: tuple) -> None:
-        ends = []  # closed again if the worker cannot start
-        try:
-            with open_files_guard(f"starting DataLoader worker {worker_id}"):
-                index_queue = self._context.Queue()
-                index_queue.cancel_join_thread()
-                ends.append(index_queue)
-                ends.extend(self._context.Pipe(duplex=False))
-                ends.extend(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
-                result_recv, result_send, fd_main, fd_worker = ends[1:]
-                process = self._launch_worker(worker_id, restore, index_queue, result_send,
-                                              fd_worker)
-        except BaseException as e:
-            for end in ends:
-                end.close()
-            if isinstance(e, (TypeError, AttributeError, pickle.PicklingError)):
-                _call_as_torch(  # torch's words (spawn and forkserver pickle the arguments)
-                    warnings.warn, "Got pickle error when attempting to start a worker Process. This might be "
-                    "because the worker Process arguments are not picklable. Python 3.14+ "
-                    "changed the multiprocessing start method in non-Mac POSIX platforms to "
-                    "'forkserver', which requires the worker Process arguments to be picklable. "
-                    "You can also try multiprocessing.set_start_method('fork').", UserWarning)
-            raise
-        result_send.close()
-        fd_worker.close()
-        self._index_queues[worker_id] = index_queue
-        self._workers[worker_id] = process
-        self._result_conns[worker_id] = result_recv
-        self._fd_socks[worker_id] = fd_main
-
-    def _launch_worker(self, worker_id, restore, index_queue, result_send, fd_worker):
-        """Start the worker process on its ends of the channels."""
-        process = self._context.Process(
-            target=worker_loop,
-            args=(
-                self._dataset_kind,
-                self._dataset,
-                index_queue,
-                result_send,
-                fd_worker,
-                self._workers_done_event,
-                self._auto_collation,
-                self._collate_fn,
-                self._drop_last,
-                self._base_seed,
-                self._worker_init_fn,
-                worker_id,
-                self._num_workers,
-                self._shared_seed,
-                self._transport,
-                restore,
-                self._context.get_start_method(),
-                self._owner_pid,
-            ),
-            name=f"fastmm-worker-{worker_id}",
-            daemon=True,
-        )
-        if self._counters is not None:
+        if self._counters is not None:  # its row as it starts
             self._last_counts[worker_id] = self._counters.row(worker_id)
-        _start_on_a_lasting_thread(process.start)
-        return process
+        self._pool.start(worker_id, restore, self._shared_seed)
 
     def _replace_worker(self, worker_id: int, fault: bool = True) -> None:
         """A new worker in the place of a dead one (on_worker_failure="respawn") or of one
@@ -547,15 +401,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                     f"same batch (indices {self._task_index[i]}; last: {why}); not respawning"
                 )
         self._replacements += 1
-        old = self._workers[worker_id]
-        if old.is_alive():  # its channel broke but it lingers: it must not write on
-            old.terminate()
-        old.join(timeout=_STATUS_CHECK_INTERVAL_S)
-        self._result_conns[worker_id].close()
-        self._fd_socks[worker_id].close()
-        self._index_queues[worker_id].close()
-        self._ring.forget(self._channels[worker_id])
-        self._channels[worker_id] = max(self._channels) + 1
+        self._pool.end(worker_id)
         stream = resume.usable(self._last_stream[worker_id])
         skip = 0 if stream is not None else self._samples_in(self._received[worker_id])
         if self._counters is not None and self._num_workers < self._counters.ROWS:
@@ -565,8 +411,6 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                                                self._last_counts)[worker_id])
         self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
         self._awaiting_resume.discard(worker_id)
-        _OPEN_CHANNELS[id(self)] = (
-            self._result_conns, self._fd_socks, self._workers, self._owner_pid)
         for i in lost:
             self._index_queues[worker_id].put(("task", i, self._task_index[i], 0.0))
 
@@ -583,14 +427,10 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                     f"more than {watch.CAP} samples took over decode_deadline="
                     f"{watch.deadline:g}s: the deadline is too short for this data, or "
                     "the decoder is broken")
-            worker = self._workers[worker_id]
             log.warning("fastmm: worker %d (pid %d) spent over decode_deadline=%gs on sample "
-                        "%d: replacing it", worker_id, worker.pid, watch.deadline, item)
-            try:
-                os.kill(worker.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            worker.join(timeout=_STATUS_CHECK_INTERVAL_S)
+                        "%d: replacing it", worker_id, self._workers[worker_id].pid,
+                        watch.deadline, item)
+            self._pool.kill(worker_id)
             self._replace_worker(worker_id, fault=False)
         return [w for _, w, _ in stuck]
 
@@ -716,7 +556,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                 except EOFError:
                     silent.append(waiting[obj])
         for i in silent:  # its exit can lag its channel closing: wait so the error can say why
-            self._workers[i].join(timeout=_STATUS_CHECK_INTERVAL_S)
+            self._workers[i].join(timeout=STATUS_CHECK_INTERVAL_S)
         failed = [
             i
             for i in range(self._num_workers)
@@ -778,7 +618,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
                     return data
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
         while True:
-            success, data = self._try_get_data(_STATUS_CHECK_INTERVAL_S)
+            success, data = self._try_get_data(STATUS_CHECK_INTERVAL_S)
             if success:
                 return data
 
@@ -883,44 +723,26 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._index_queues[worker_id].put(None)
         self._workers_status[worker_id] = False
 
-    def _shutdown_workers(self, join_s: float = _STATUS_CHECK_INTERVAL_S) -> None:
+    def _shutdown_workers(self, join_s: float = STATUS_CHECK_INTERVAL_S) -> None:
         if torch_utils is None or torch_utils.python_exit_status in (True, None):
             return
         if self._shutdown:
             return
         self._shutdown = True
         try:
-            self._workers_done_event.set()
+            self._pool.done_event.set()
             for worker_id in range(len(self._workers)):
                 started = self._workers[worker_id] is not None
                 if started and (self._persistent_workers or self._workers_status[worker_id]):
                     self._mark_worker_as_unavailable(worker_id, shutdown=True)
-            # a worker blocked on sending gets EPIPE and exits
-            for conn in filter(None, self._result_conns):
-                conn.close()
-            # unmapped before the join: the exiting workers then free the slabs' pages, in
-            # parallel, instead of this thread after them
-            self._ring.close()
-            deadline = time.monotonic() + join_s
-            for process in self._started():
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
-            for index_queue in filter(None, self._index_queues):
-                index_queue.cancel_join_thread()
-                index_queue.close()
+            self._pool.close(join_s)
         finally:
             if self._worker_pids_set:
                 torch_utils.signal_handling._remove_worker_pids(id(self))
-                self._worker_pids_set = False
-            _end_processes(self._started())
-            for sock in filter(None, self._fd_socks):
-                sock.close()
-            _OPEN_CHANNELS.pop(id(self), None)
+                self._worker_pids_set = self._pool.signal_id = False
+            self._pool.forget()
             self._task_info = {}
             self._ring.close()
-
-    def _started(self) -> list:
-        """The worker processes, less any that never started (a start that failed)."""
-        return [process for process in self._workers if process is not None]
 
     def __del__(self) -> None:
         # only where it was made: a forked child may collect its copy of an iterator. The

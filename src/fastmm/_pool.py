@@ -1,0 +1,215 @@
+"""The loader's worker processes: started, replaced, ended, and never left behind (at exit,
+or with the loader's process killed: see _workers._exit_when_orphaned).
+
+A worker has three channels to the main process: its index queue (tasks in), its result pipe
+(batches out) and a socket that carries new slabs' descriptors. The slab ring knows a worker by
+its channel number: a replacement gets a new one, so its slab ids cannot meet those of batches
+its predecessor left in the loop's hands.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import queue
+import signal
+import socket
+import threading
+import time
+import warnings
+
+from torch.utils.data import _utils as torch_utils
+
+from ._workers import StopFlag, worker_loop
+from .slabs import SlabRing, open_files_guard
+
+STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
+_OPEN_POOLS: dict[int, "WorkerPool"] = {}  # id -> each pool not yet shut down
+
+
+class WorkerPool:
+    """``num_workers`` worker processes running ``_workers.worker_loop`` with ``args`` (a
+    dict of its keyword arguments but the per-worker ones), and their channels, by worker id."""
+
+    def __init__(self, num_workers: int, context, ring: SlabRing, args: dict, warn_as_torch):
+        self.context, self.ring, self.args = context, ring, args
+        self.owner_pid = os.getpid()
+        self.done_event = StopFlag(context)
+        self.processes: list = [None] * num_workers
+        self.index_queues: list = [None] * num_workers
+        self.result_conns: list = [None] * num_workers
+        self.fd_socks: list = [None] * num_workers
+        self.channels = list(range(num_workers))
+        self._warn_as_torch = warn_as_torch
+        self.signal_id = None  # the key its pids have in torch's SIGCHLD handler, if any
+        # Registered apart from the iterator: if the iterator dies in a reference cycle, its
+        # channels must not be finalized (closed) before its own shutdown closes them.
+        _OPEN_POOLS[id(self)] = self
+
+    def start(self, worker_id: int, restore: tuple, shared_seed: int) -> None:
+        """Start worker ``worker_id`` (``restore``: the RNG states, samples to drop and stream
+        state it begins from, resume.py)."""
+        ends = []  # closed again if the worker cannot start
+        try:
+            with open_files_guard(f"starting DataLoader worker {worker_id}"):
+                index_queue = self.context.Queue()
+                index_queue.cancel_join_thread()
+                ends.append(index_queue)
+                ends.extend(self.context.Pipe(duplex=False))
+                ends.extend(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+                result_recv, result_send, fd_main, fd_worker = ends[1:]
+                process = self.context.Process(
+                    target=worker_loop,
+                    kwargs=dict(self.args, index_queue=index_queue, result_conn=result_send,
+                                fd_sock=fd_worker, done_event=self.done_event,
+                                worker_id=worker_id, shared_seed=shared_seed, restore=restore,
+                                start_method=self.context.get_start_method(),
+                                main_pid=self.owner_pid),
+                    name=f"fastmm-worker-{worker_id}",
+                    daemon=True,
+                )
+                start_on_a_lasting_thread(process.start)
+        except BaseException as e:
+            for end in ends:
+                end.close()
+            if isinstance(e, (TypeError, AttributeError, pickle.PicklingError)):
+                self._warn_as_torch(  # torch's words (spawn and forkserver pickle the arguments)
+                    warnings.warn, "Got pickle error when attempting to start a worker Process. This might be "
+                    "because the worker Process arguments are not picklable. Python 3.14+ "
+                    "changed the multiprocessing start method in non-Mac POSIX platforms to "
+                    "'forkserver', which requires the worker Process arguments to be picklable. "
+                    "You can also try multiprocessing.set_start_method('fork').", UserWarning)
+            raise
+        result_send.close()
+        fd_worker.close()
+        self.index_queues[worker_id] = index_queue
+        self.processes[worker_id] = process
+        self.result_conns[worker_id] = result_recv
+        self.fd_socks[worker_id] = fd_main
+
+    def end(self, worker_id: int) -> None:
+        """End worker ``worker_id`` (dead, or lingering with its channel broken: it must not
+        write on) and close its channels; ``start`` puts another in its place, whose channel
+        number is new."""
+        old = self.processes[worker_id]
+        if old.is_alive():
+            old.terminate()
+        old.join(timeout=STATUS_CHECK_INTERVAL_S)
+        self.result_conns[worker_id].close()
+        self.fd_socks[worker_id].close()
+        self.index_queues[worker_id].close()
+        self.ring.forget(self.channels[worker_id])
+        self.channels[worker_id] = max(self.channels) + 1
+
+    def kill(self, worker_id: int) -> None:
+        """SIGKILL: a worker stuck in C can be stopped no other way."""
+        process = self.processes[worker_id]
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.join(timeout=STATUS_CHECK_INTERVAL_S)
+
+    def started(self) -> list:
+        """The worker processes, less any that never started (a start that failed)."""
+        return [process for process in self.processes if process is not None]
+
+    def close(self, join_s: float) -> None:
+        """Close the result channels (a worker blocked on sending gets EPIPE and exits), give
+        the workers ``join_s`` to go, end those still there; then close the rest."""
+        for conn in filter(None, self.result_conns):
+            conn.close()
+        # unmapped before the join: the exiting workers then free the slabs' pages, in
+        # parallel, instead of this thread after them
+        self.ring.close()
+        deadline = time.monotonic() + join_s
+        for process in self.started():
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for index_queue in filter(None, self.index_queues):
+            index_queue.cancel_join_thread()
+            index_queue.close()
+
+    def forget(self) -> None:
+        """After close (or in its place, when it failed): end what is left, close the sockets."""
+        end_processes(self.started())
+        for sock in filter(None, self.fd_socks):
+            sock.close()
+        _OPEN_POOLS.pop(id(self), None)
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    """At exit, close the channels of pools still open (persistent workers), as their own
+    shutdown would: torch skips that shutdown at exit, and the workers then see their loop gone.
+    Then end the workers: multiprocessing's exit handler (registered before this one, so it
+    runs after) would wait without end for one that outlives SIGTERM."""
+    workers = []
+    for pool_id, pool in list(_OPEN_POOLS.items()):
+        for channel in [*pool.result_conns, *pool.fd_socks]:
+            if channel is not None:
+                channel.close()
+        if pool.owner_pid == os.getpid():  # (a forked child's copy names its parent's workers)
+            workers += pool.started()
+            if pool.signal_id:  # their ends are not failures for torch's SIGCHLD handler
+                try:
+                    torch_utils.signal_handling._remove_worker_pids(pool.signal_id)
+                except (RuntimeError, ValueError):
+                    pass
+    _OPEN_POOLS.clear()
+    end_processes(workers)
+
+
+def end_processes(processes: list) -> None:
+    """SIGTERM, one wait for all, then SIGKILL for any still there: one stopped (SIGSTOP, a
+    debugger) or ignoring SIGTERM, which torch's loader and multiprocessing leave behind or
+    wait for without end."""
+    lingering = [process for process in processes if process.is_alive()]
+    for process in lingering:
+        process.terminate()
+    deadline = time.monotonic() + STATUS_CHECK_INTERVAL_S
+    for process in lingering:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in lingering:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=STATUS_CHECK_INTERVAL_S)
+
+
+_starter: tuple[int, queue.SimpleQueue] | None = None  # (pid, its starter thread's tasks)
+_starter_lock = threading.Lock()
+
+
+def start_on_a_lasting_thread(start) -> None:
+    """``start()`` (a worker's ``Process.start``) on a thread that lives as long as this
+    process: the main thread, or else one daemon thread kept for it. The kernel's parent-death
+    signal, which ends a worker the moment the loader's process dies (even one stuck in C with
+    the GIL held), follows the thread that forked the worker: from a loop's own thread it would
+    end the workers with that thread, so it could not be used there."""
+    global _starter
+    if threading.current_thread() is threading.main_thread():
+        start()
+        return
+    with _starter_lock:
+        if _starter is None or _starter[0] != os.getpid():  # (none in a forked child)
+            tasks: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_serve_starts, args=(tasks,), daemon=True,
+                             name="fastmm-worker-starter").start()
+            _starter = (os.getpid(), tasks)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    _starter[1].put((start, done))
+    error = done.get()
+    if error is not None:
+        raise error
+
+
+def _serve_starts(tasks: queue.SimpleQueue) -> None:
+    while True:
+        start, done = tasks.get()
+        try:
+            start()
+        except BaseException as exc:  # raised again in the thread that asked
+            done.put(exc)
+        else:
+            done.put(None)
+        del start, done
