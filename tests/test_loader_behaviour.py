@@ -133,6 +133,32 @@ def test_a_count_that_is_no_integer_is_a_type_error_naming_it(argument, value):
     assert fastmm.DataLoader(SampleDataset(4), num_workers=np.int64(2)).num_workers == 2
 
 
+def test_torchs_multi_process_iterator_code_is_not_reachable_on_ours(transport):
+    """fastmm's iterator is a _MultiProcessingDataLoaderIter for isinstance() only: each
+    method of torch's class is fastmm's own or refused (torch may add some); from
+    _BaseDataLoaderIter it takes the iterator protocol and nothing it did not decide on."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
+
+    from fastmm.loader import _ResumableIter, _SlabDataLoaderIter
+
+    own = set(vars(_SlabDataLoaderIter)) | set(vars(_ResumableIter))
+    assert all(name in own for name, value in vars(_MultiProcessingDataLoaderIter).items()
+               if callable(value))
+    inherited = {name for name, value in vars(_BaseDataLoaderIter).items()
+                 if callable(value) and name not in own}
+    assert inherited == {"__iter__", "__next__", "__len__", "_next_index", "__getstate__"}
+    it = iter(fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=2,
+                                persistent_workers=True))
+    assert isinstance(it, _MultiProcessingDataLoaderIter) and len(list(it)) == 4
+    fenced = [name for name in vars(_MultiProcessingDataLoaderIter)
+              if getattr(vars(_SlabDataLoaderIter).get(name), "__qualname__", "")
+              .startswith("_not_ours")]  # e.g. _register_persistent_workers_atexit
+    for name in fenced:
+        with pytest.raises(NotImplementedError, match="torch's multi-process iterator's"):
+            getattr(it, name)()
+    shutdown_iter(it)
+
+
 def test_positional_arguments_bind_like_torch():
     args = (SampleDataset(10), 3, False, None, None, 2, None, False, True, 4.0)
     ours, theirs = fastmm.DataLoader(*args), TorchDataLoader(*args)

@@ -111,6 +111,17 @@ class WorkerPool:
             pass
         process.join(timeout=STATUS_CHECK_INTERVAL_S)
 
+    def failure(self, failed: list[int]) -> RuntimeError:
+        """The error for workers that died or closed their channel, in torch's words."""
+        details = "; ".join(f"worker {i} (pid {self.processes[i].pid}): "
+                            f"{how_it_ended(self.processes[i].exitcode)}" for i in failed)
+        pid, exitcode = self.processes[failed[0]].pid, self.processes[failed[0]].exitcode
+        if exitcode is not None and exitcode < 0:  # (torch's SIGCHLD handler's)
+            return RuntimeError(f"DataLoader worker (pid {pid}) is killed by signal: "
+                                f"{how_it_ended(exitcode)}. ({details})")
+        pids = ", ".join(str(self.processes[i].pid) for i in failed)
+        return RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}")
+
     def started(self) -> list:
         """The worker processes, less any that never started (a start that failed)."""
         return [process for process in self.processes if process is not None]
@@ -158,6 +169,18 @@ def _close_open_pools() -> None:
                     pass
     _OPEN_POOLS.clear()
     end_processes(workers)
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """A dead worker's end in words: the signal that killed it, or its exit code."""
+    if exitcode is None:
+        return "closed its result channel and did not exit"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return signal.strsignal(-exitcode) or signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 def end_processes(processes: list) -> None:

@@ -9,12 +9,7 @@ Messages from the main process (on the worker's index queue):
   ("resume", shared_seed, epoch)   a new epoch on persistent workers; epoch: the main process's
                                    hooks.epoch, passed on to this copy (else None)
   None                             exit
-Messages to the main process (on the worker's result connection), all tuples:
-  (send_idx, kind, payload, slab_ids_used, new_slabs, retired_slabs, rng, stream, counts) with
-  kind one of "data", "error", "end"; retired_slabs: free slabs the worker closed; rng: the
-  worker's RNG states after the task if it changed them, else None; stream: an
-  IterableDataset's resume.stream_state() after the task (resume.py); counts: its row of the
-  dataset's skip counts (hooks.skip_counts) if the task changed it;
+Messages to the main process (on the worker's result connection): a Result for each task;
   ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
 """
 
@@ -32,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -102,6 +98,20 @@ def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
         value = (value * const_b) & mask
         state.append((value ^ (value >> shift)) & mask)
     return state
+
+
+class Result(NamedTuple):
+    """A worker's answer to a task."""
+
+    send_idx: int
+    status: str  # "data", "error" (payload: an ExceptionWrapper) or "end" (an iterable ran out)
+    payload: object  # collate.pack's
+    used: list  # the slabs the payload lies in
+    new: list  # (slab id, capacity) of slabs created for it (their fds: on the fd socket)
+    retired: list  # free slabs the worker closed
+    rng: object  # the worker's RNG states after the task if it changed them, else None
+    stream: object  # an IterableDataset's resume.stream_state() after the task (resume.py)
+    counts: object  # its row of the dataset's skip counts (hooks.py) if the task changed it
 
 
 class StopFlag:
@@ -314,8 +324,8 @@ def worker_loop(
             used, new, retired = writer.finish()
             # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
             result_conn.send_bytes(pickle.dumps(
-                (send_idx, status, payload, used, new, retired, rng_watch.changed(), stream,
-                 counts_watch.changed()), pickle.DEFAULT_PROTOCOL))
+                Result(send_idx, status, payload, used, new, retired, rng_watch.changed(),
+                       stream, counts_watch.changed()), pickle.DEFAULT_PROTOCOL))
             del payload, message, index
     except KeyboardInterrupt:
         pass

@@ -18,7 +18,6 @@ import multiprocessing.connection
 import operator
 import os
 import select
-import signal
 import time
 import types
 from collections.abc import Iterable
@@ -39,9 +38,9 @@ from torch.utils.data.dataloader import (
 )
 
 from . import collate, hooks, resume
-from ._pool import STATUS_CHECK_INTERVAL_S, WorkerPool
+from ._pool import STATUS_CHECK_INTERVAL_S, WorkerPool, how_it_ended
 from .config import TransportConfig
-from .slabs import SlabRing
+from .slabs import SlabRing, cuda_page_locking
 from .telemetry import auto as auto_export
 from .telemetry.recorder import unwatched
 
@@ -188,28 +187,11 @@ _call_as_torch = types.FunctionType(_call.__code__, vars(torch.utils.data.datalo
                                     "_call_as_torch")
 
 
-def _check_cuda(status, what: str) -> None:
-    if int(status) != 0:
-        raise RuntimeError(f"fastmm: {what} failed with CUDA error {int(status)} ({status})")
-
-
 def _readable(conn) -> bool:
     """``conn.poll()`` for less: that builds a selector each call."""
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
     return bool(poller.poll(0))
-
-
-def _how_it_ended(exitcode: int | None) -> str:
-    """A dead worker's end in words: the signal that killed it, or its exit code."""
-    if exitcode is None:
-        return "closed its result channel and did not exit"
-    if exitcode >= 0:
-        return f"exit code {exitcode}"
-    try:
-        return signal.strsignal(-exitcode) or signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
 
 
 class _ResumableIter:
@@ -294,8 +276,12 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
 
 class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
     """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``.
-    It is one to ``isinstance`` (Lightning shuts persistent workers down through such a check)
-    but runs none of its code: every method it has is this class's own."""
+
+    What it takes from torch's classes, decided: from ``_BaseDataLoaderIter`` the iterator
+    protocol (``__iter__``, ``__next__``, ``__len__``, ``_next_index``, ``__getstate__``) and
+    its ``_reset``; from ``_MultiProcessingDataLoaderIter`` nothing but the type, for
+    ``isinstance`` (Lightning shuts persistent workers down through such a check). Its methods
+    that this class has not are fenced off below (``_not_ours``), those torch adds later too."""
 
     def __init__(self, loader: DataLoader, restore: resume.Progress | None = None) -> None:
         self._owner_pid = os.getpid()
@@ -320,29 +306,11 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         self._shutdown = False
         self._worker_pids_set = False
         self._workers_status = [False] * self._num_workers
-        pin = unpin = fence = None
-        if self._pin_memory and self._pin_memory_device == "cuda":
-            cudart = torch.cuda.cudart()
-
-            def pin(address: int, nbytes: int) -> None:
-                _check_cuda(cudart.cudaHostRegister(address, nbytes, 0), "cudaHostRegister")
-
-            def unpin(address: int) -> None:
-                _check_cuda(cudart.cudaHostUnregister(address), "cudaHostUnregister")
-
-            def fence() -> torch.cuda.Event:
-                # On the releasing thread's current stream: the copies the loop queued from the
-                # batch (x.cuda(non_blocking=True), in that stream or before dropping x in it).
-                event = torch.cuda.Event()
-                event.record()
-                return event
-
         # A worker runs ahead by up to prefetch_factor batches: keeping that many free slabs plus
         # the one just released means a steady loop never creates or destroys a slab.
-        self._ring = SlabRing(
-            self._prefetch_factor + 1, pin=pin, unpin=unpin, fence=fence,
-            lean=transport.slab_memory == "lean",
-        )
+        locking = self._pin_memory and self._pin_memory_device == "cuda"
+        self._ring = SlabRing(self._prefetch_factor + 1, lean=transport.slab_memory == "lean",
+                              **(cuda_page_locking() if locking else {}))
         self._transport = transport
         self._respawn = loader.on_worker_failure == "respawn"
         # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
@@ -395,7 +363,7 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         for i in lost if fault else ():
             self._task_deaths[i] = self._task_deaths.get(i, 0) + 1
             if self._task_deaths[i] > _MAX_DEATHS_PER_TASK:
-                why = _how_it_ended(self._workers[worker_id].exitcode)
+                why = how_it_ended(self._workers[worker_id].exitcode)
                 raise RuntimeError(
                     f"DataLoader worker {worker_id} died {self._task_deaths[i]} times on the "
                     f"same batch (indices {self._task_index[i]}; last: {why}); not respawning"
@@ -569,45 +537,35 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         if failed:
             for i in failed:
                 self._mark_worker_as_unavailable(i)
-            details = "; ".join(
-                f"worker {i} (pid {self._workers[i].pid}): "
-                f"{_how_it_ended(self._workers[i].exitcode)}"
-                for i in failed
-            )
-            pid, exitcode = self._workers[failed[0]].pid, self._workers[failed[0]].exitcode
-            if exitcode is not None and exitcode < 0:  # torch's words (its SIGCHLD handler's)
-                raise RuntimeError(f"DataLoader worker (pid {pid}) is killed by signal: "
-                                   f"{_how_it_ended(exitcode)}. ({details})")
-            pids = ", ".join(str(self._workers[i].pid) for i in failed)
-            raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}")
+            raise self._pool.failure(failed)
         return False, None
 
     def _receive(self, worker_id: int):
-        message = self._result_conns[worker_id].recv()
-        if message[0] == "resumed":
+        result = self._result_conns[worker_id].recv()
+        if result[0] == "resumed":
             return "resumed", worker_id
-        send_idx, status, payload, used, new, retired, rng, stream, counts = message
+        idx = result.send_idx
         self._received[worker_id] += 1
-        if counts is not None:
-            self._last_counts[worker_id] = counts
+        if result.counts is not None:
+            self._last_counts[worker_id] = result.counts
         if self._counters is not None:
-            self._task_counts[send_idx] = self._last_counts[worker_id]
-        self._task_index.pop(send_idx, None)
-        if rng is not None:
-            self._task_rng[send_idx] = self._last_rng[worker_id] = rng
-        if stream is not None and status == "end":
-            self._end_stream[worker_id] = self._last_stream[worker_id] = stream
-        elif stream is not None:
-            self._task_stream[send_idx] = self._last_stream[worker_id] = stream
+            self._task_counts[idx] = self._last_counts[worker_id]
+        self._task_index.pop(idx, None)
+        if result.rng is not None:
+            self._task_rng[idx] = self._last_rng[worker_id] = result.rng
+        if result.stream is not None and result.status == "end":
+            self._end_stream[worker_id] = self._last_stream[worker_id] = result.stream
+        elif result.stream is not None:
+            self._task_stream[idx] = self._last_stream[worker_id] = result.stream
         channel = self._channels[worker_id]
-        self._ring.retire(channel, retired)
-        if new:
-            self._ring.receive(channel, self._fd_socks[worker_id], new, worker_id)
-            self._check_shared_memory(max(capacity for _, capacity in new))
-        views = self._ring.lend(channel, used)
-        if status == "end":
-            return send_idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
-        return send_idx, _Received(payload, views, worker_id)
+        self._ring.retire(channel, result.retired)
+        if result.new:
+            self._ring.receive(channel, self._fd_socks[worker_id], result.new, worker_id)
+            self._check_shared_memory(max(capacity for _, capacity in result.new))
+        views = self._ring.lend(channel, result.used)
+        if result.status == "end":
+            return idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
+        return idx, _Received(result.payload, views, worker_id)
 
     def _get_data(self):
         if self._timeout > 0:
@@ -751,3 +709,22 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
         # then terminate them (they hold nothing anyone still reads).
         if hasattr(self, "_ring") and self._owner_pid == os.getpid():
             self._shutdown_workers(join_s=0.2)
+
+
+def _not_ours(name: str):
+    def refused(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{name} is torch's multi-process iterator's; fastmm's replaces that iterator "
+            "and runs none of its code")
+
+    refused.__name__ = name
+    return refused
+
+
+for _name, _value in vars(_MultiProcessingDataLoaderIter).items():
+    if callable(_value) and not any(_name in vars(k) for k in (_SlabDataLoaderIter,
+                                                                _ResumableIter)):
+        setattr(_SlabDataLoaderIter, _name, _not_ours(_name))
+
+
+del _name, _value

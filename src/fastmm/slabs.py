@@ -40,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .config import TransportConfig
 
@@ -474,6 +475,32 @@ class SlabRing:
             if self._unpin is not None:
                 self._unpin(_address(mm))
             _close_quietly(mm)
+
+
+def cuda_page_locking() -> dict:
+    """SlabRing's ``pin``, ``unpin`` and ``fence`` for pin_memory=True on CUDA: each slab is
+    page-locked once for its lifetime (cudaHostRegister), so batches need no pinned copy."""
+    cudart = torch.cuda.cudart()
+
+    def pin(address: int, nbytes: int) -> None:
+        _check_cuda(cudart.cudaHostRegister(address, nbytes, 0), "cudaHostRegister")
+
+    def unpin(address: int) -> None:
+        _check_cuda(cudart.cudaHostUnregister(address), "cudaHostUnregister")
+
+    def fence() -> torch.cuda.Event:
+        # On the releasing thread's current stream: the copies the loop queued from the
+        # batch (x.cuda(non_blocking=True), in that stream or before dropping x in it).
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    return {"pin": pin, "unpin": unpin, "fence": fence}
+
+
+def _check_cuda(status, what: str) -> None:
+    if int(status) != 0:
+        raise RuntimeError(f"fastmm: {what} failed with CUDA error {int(status)} ({status})")
 
 
 def _address(mm: mmap.mmap) -> int:
