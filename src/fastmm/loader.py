@@ -274,78 +274,11 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
         self._progress.worker_streams[0] = resume.stream_state(self._dataset, self._dataset_fetcher)
 
 
-class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
-    """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``.
-
-    What it takes from torch's classes, decided: from ``_BaseDataLoaderIter`` the iterator
-    protocol (``__iter__``, ``__next__``, ``__len__``, ``_next_index``, ``__getstate__``) and
-    its ``_reset``; from ``_MultiProcessingDataLoaderIter`` nothing but the type, for
-    ``isinstance`` (Lightning shuts persistent workers down through such a check). Its methods
-    that this class has not are fenced off below (``_not_ours``), those torch adds later too."""
-
-    def __init__(self, loader: DataLoader, restore: resume.Progress | None = None) -> None:
-        self._owner_pid = os.getpid()
-        self._replacements = 0  # workers replaced (respawned, or past the decode deadline)
-        self._start_progress(loader, restore,
-                             functools.partial(_BaseDataLoaderIter.__init__, self))
-        self._prefetch_factor = loader.prefetch_factor
-        self._in_order = loader.in_order
-        if self._num_workers <= 0:
-            raise AssertionError("num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
-        if self._prefetch_factor <= 0:
-            raise AssertionError(
-                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
-            )
-        context = loader.multiprocessing_context or torch.multiprocessing
-        self._worker_init_fn = loader.worker_init_fn
-        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
-            self._worker_init_fn = functools.partial(
-                _sharding_worker_init_fn, self._worker_init_fn, self._world_size, self._rank
-            )
-        transport = TransportConfig.from_env()
-        self._shutdown = False
-        self._worker_pids_set = False
-        self._workers_status = [False] * self._num_workers
-        # A worker runs ahead by up to prefetch_factor batches: keeping that many free slabs plus
-        # the one just released means a steady loop never creates or destroys a slab.
-        locking = self._pin_memory and self._pin_memory_device == "cuda"
-        self._ring = SlabRing(self._prefetch_factor + 1, lean=transport.slab_memory == "lean",
-                              **(cuda_page_locking() if locking else {}))
-        self._transport = transport
-        self._respawn = loader.on_worker_failure == "respawn"
-        # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
-        self._watches = hooks.sample_watches(self._dataset)
-        for watch in self._watches:
-            watch.watched = True
-        self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
-        self._shm_checked = 0  # the largest ring size checked against free shared memory
-        self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
-        self._unsaid: list[str] = []  # warned at the next next(), before it changes anything
-        self._pool = WorkerPool(self._num_workers, context, self._ring, dict(
-            dataset_kind=self._dataset_kind, dataset=self._dataset,
-            auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-            drop_last=self._drop_last, base_seed=self._base_seed,
-            init_fn=self._worker_init_fn, num_workers=self._num_workers,
-            transport=transport), _call_as_torch)
-        # the pool's own lists, by worker id (a replacement takes its predecessor's place)
-        self._workers, self._index_queues = self._pool.processes, self._pool.index_queues
-        self._result_conns, self._fd_socks = self._pool.result_conns, self._pool.fd_socks
-        self._channels = self._pool.channels  # the slab ring's key for each (_pool.py)
-        self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
-        self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
-        self._counters = hooks.skip_counts(self._dataset)
-        self._last_counts = [None] * self._num_workers  # its row of them, after that batch
-        for worker_id in range(self._num_workers):
-            self._start_worker(worker_id, self._worker_resume(worker_id, restore))
-        if restore is not None and restore.base_seed is not None:
-            self._last_rng = list(restore.worker_rng)
-        self._last_stream = list(self._progress.worker_streams)
-        if not (self._respawn or self._watches):  # else deaths are this iterator's, not torch's
-            torch_utils.signal_handling._set_worker_pids(
-                id(self), tuple(w.pid for w in self._workers))
-            torch_utils.signal_handling._set_SIGCHLD_handler()
-            self._worker_pids_set = self._pool.signal_id = id(self)
-        self._reset(loader, first_iter=True)
+class _Replacing:
+    """Part of the multi-process iterator: a worker started, or started again in the place of
+    one that died (on_worker_failure="respawn") or was stuck past the decode deadline, from
+    what the iterator kept of it after its last batch received (RNG states, stream state, skip
+    counts), and given its unfinished tasks again."""
 
     def _start_worker(self, worker_id: int, restore: tuple) -> None:
         if self._counters is not None:  # its row as it starts
@@ -421,55 +354,10 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             return 0
         return batches * (self._index_sampler.batch_size if self._auto_collation else 1)
 
-    # -- epoch -------------------------------------------------------------------------------
 
-    def _reset(self, loader, first_iter=False) -> None:
-        _BaseDataLoaderIter._reset(self, loader, first_iter)  # not torch's multi-process one
-        first_worker = 0
-        if first_iter:
-            self._sampler_iter = self._first_sampler_iter
-            first_worker = self._progress.first_worker(self._dataset_kind == _DatasetKind.Iterable)
-        else:
-            self._progress.next_epoch()
-            self._last_stream = list(self._progress.worker_streams)  # a respawn starts there
-            self._end_stream = [None] * self._num_workers
-            loader.__dict__["_fastmm_progress"] = self._progress
-            self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
-        self._send_idx = 0  # next task to send
-        self._rcvd_idx = 0  # next task to return
-        self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
-        self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
-        self._task_stream: dict[int, tuple] = {}  # idx -> its stream state after the task
-        self._task_counts: dict[int, list] = {}  # idx -> its worker's skip counts after it
-        self._task_position: dict[int, int] = {}  # idx -> its batch's place in the epoch's order
-        self._task_index: dict[int, object] = {}  # idx -> its indices, until its result comes
-        self._task_deaths: dict[int, int] = {}  # idx -> workers that died while it was theirs
-        # batches received from each worker this epoch (a restored one had skipped its own)
-        self._received = list(self._progress.worker_batches) if first_iter else [0] * self._num_workers
-        self._tasks_outstanding = 0
-        self._workers_status = [True] * self._num_workers
-        self._workers_num_tasks = [0] * self._num_workers
-        self._worker_queue_idx_cycle = itertools.islice(
-            itertools.cycle(range(self._num_workers)), first_worker, None
-        )
-        if not first_iter:
-            # a dataset offering fastmm_epoch (a ShardStream) has its workers' copies follow
-            # the main one's set_epoch (hooks.py)
-            epoch = hooks.epoch(unwatched(self._dataset))
-            for index_queue in self._index_queues:
-                index_queue.put(("resume", self._shared_seed, epoch))
-            self._awaiting_resume = set(range(self._num_workers))  # a respawned one starts anew
-            while self._awaiting_resume:
-                idx, worker_id = self._get_data()
-                if idx == "resumed":
-                    self._awaiting_resume.discard(worker_id)
-        self._epoch_counts = list(self._last_counts)  # each worker's skip counts as it begins
-        self._progress.worker_counts = list(self._epoch_counts)
-        self._note_epoch_start()
-        for _ in range(self._prefetch_factor * self._num_workers):
-            self._try_put_index()
-
-    # -- receiving ---------------------------------------------------------------------------
+class _Receiving:
+    """Part of the multi-process iterator: the workers' results, received as they come (a dead
+    worker noticed at once), and their slabs given back once the loop lets go of them."""
 
     def _check_shared_memory(self, slab_bytes: int) -> None:
         """Once batches show their size: will the rings fit? (Warned once per loader.)"""
@@ -579,6 +467,131 @@ class _SlabDataLoaderIter(_ResumableIter, _MultiProcessingDataLoaderIter):
             success, data = self._try_get_data(STATUS_CHECK_INTERVAL_S)
             if success:
                 return data
+
+
+class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
+                         _MultiProcessingDataLoaderIter):
+    """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``
+    (index dispatch, in-order delivery); receiving (_Receiving) and replacing workers
+    (_Replacing) are parts of their own, its processes a pool (_pool.py).
+
+    What it takes from torch's classes, decided: from ``_BaseDataLoaderIter`` the iterator
+    protocol (``__iter__``, ``__next__``, ``__len__``, ``_next_index``, ``__getstate__``) and
+    its ``_reset``; from ``_MultiProcessingDataLoaderIter`` nothing but the type, for
+    ``isinstance`` (Lightning shuts persistent workers down through such a check). Its methods
+    that this class has not are fenced off below (``_not_ours``), those torch adds later too."""
+
+    def __init__(self, loader: DataLoader, restore: resume.Progress | None = None) -> None:
+        self._owner_pid = os.getpid()
+        self._replacements = 0  # workers replaced (respawned, or past the decode deadline)
+        self._start_progress(loader, restore,
+                             functools.partial(_BaseDataLoaderIter.__init__, self))
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        if self._num_workers <= 0:
+            raise AssertionError("num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
+        if self._prefetch_factor <= 0:
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
+        context = loader.multiprocessing_context or torch.multiprocessing
+        self._worker_init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+            self._worker_init_fn = functools.partial(
+                _sharding_worker_init_fn, self._worker_init_fn, self._world_size, self._rank
+            )
+        transport = TransportConfig.from_env()
+        self._shutdown = False
+        self._worker_pids_set = False
+        self._workers_status = [False] * self._num_workers
+        # A worker runs ahead by up to prefetch_factor batches: keeping that many free slabs plus
+        # the one just released means a steady loop never creates or destroys a slab.
+        locking = self._pin_memory and self._pin_memory_device == "cuda"
+        self._ring = SlabRing(self._prefetch_factor + 1, lean=transport.slab_memory == "lean",
+                              **(cuda_page_locking() if locking else {}))
+        self._transport = transport
+        self._respawn = loader.on_worker_failure == "respawn"
+        # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
+        self._watches = hooks.sample_watches(self._dataset)
+        for watch in self._watches:
+            watch.watched = True
+        self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
+        self._shm_checked = 0  # the largest ring size checked against free shared memory
+        self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
+        self._unsaid: list[str] = []  # warned at the next next(), before it changes anything
+        self._pool = WorkerPool(self._num_workers, context, self._ring, dict(
+            dataset_kind=self._dataset_kind, dataset=self._dataset,
+            auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+            drop_last=self._drop_last, base_seed=self._base_seed,
+            init_fn=self._worker_init_fn, num_workers=self._num_workers,
+            transport=transport), _call_as_torch)
+        # the pool's own lists, by worker id (a replacement takes its predecessor's place)
+        self._workers, self._index_queues = self._pool.processes, self._pool.index_queues
+        self._result_conns, self._fd_socks = self._pool.result_conns, self._pool.fd_socks
+        self._channels = self._pool.channels  # the slab ring's key for each (_pool.py)
+        self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
+        self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
+        self._counters = hooks.skip_counts(self._dataset)
+        self._last_counts = [None] * self._num_workers  # its row of them, after that batch
+        for worker_id in range(self._num_workers):
+            self._start_worker(worker_id, self._worker_resume(worker_id, restore))
+        if restore is not None and restore.base_seed is not None:
+            self._last_rng = list(restore.worker_rng)
+        self._last_stream = list(self._progress.worker_streams)
+        if not (self._respawn or self._watches):  # else deaths are this iterator's, not torch's
+            torch_utils.signal_handling._set_worker_pids(
+                id(self), tuple(w.pid for w in self._workers))
+            torch_utils.signal_handling._set_SIGCHLD_handler()
+            self._worker_pids_set = self._pool.signal_id = id(self)
+        self._reset(loader, first_iter=True)
+
+    # -- epoch -------------------------------------------------------------------------------
+
+    def _reset(self, loader, first_iter=False) -> None:
+        _BaseDataLoaderIter._reset(self, loader, first_iter)  # not torch's multi-process one
+        first_worker = 0
+        if first_iter:
+            self._sampler_iter = self._first_sampler_iter
+            first_worker = self._progress.first_worker(self._dataset_kind == _DatasetKind.Iterable)
+        else:
+            self._progress.next_epoch()
+            self._last_stream = list(self._progress.worker_streams)  # a respawn starts there
+            self._end_stream = [None] * self._num_workers
+            loader.__dict__["_fastmm_progress"] = self._progress
+            self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
+        self._send_idx = 0  # next task to send
+        self._rcvd_idx = 0  # next task to return
+        self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
+        self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
+        self._task_stream: dict[int, tuple] = {}  # idx -> its stream state after the task
+        self._task_counts: dict[int, list] = {}  # idx -> its worker's skip counts after it
+        self._task_position: dict[int, int] = {}  # idx -> its batch's place in the epoch's order
+        self._task_index: dict[int, object] = {}  # idx -> its indices, until its result comes
+        self._task_deaths: dict[int, int] = {}  # idx -> workers that died while it was theirs
+        # batches received from each worker this epoch (a restored one had skipped its own)
+        self._received = list(self._progress.worker_batches) if first_iter else [0] * self._num_workers
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.islice(
+            itertools.cycle(range(self._num_workers)), first_worker, None
+        )
+        if not first_iter:
+            # a dataset offering fastmm_epoch (a ShardStream) has its workers' copies follow
+            # the main one's set_epoch (hooks.py)
+            epoch = hooks.epoch(unwatched(self._dataset))
+            for index_queue in self._index_queues:
+                index_queue.put(("resume", self._shared_seed, epoch))
+            self._awaiting_resume = set(range(self._num_workers))  # a respawned one starts anew
+            while self._awaiting_resume:
+                idx, worker_id = self._get_data()
+                if idx == "resumed":
+                    self._awaiting_resume.discard(worker_id)
+        self._epoch_counts = list(self._last_counts)  # each worker's skip counts as it begins
+        self._progress.worker_counts = list(self._epoch_counts)
+        self._note_epoch_start()
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
 
     def _next_batch(self):
         if self._unsaid:
@@ -721,10 +734,9 @@ def _not_ours(name: str):
     return refused
 
 
+_OWN = {name for part in _SlabDataLoaderIter.__mro__ if part.__module__ == __name__
+        for name in vars(part)}
 for _name, _value in vars(_MultiProcessingDataLoaderIter).items():
-    if callable(_value) and not any(_name in vars(k) for k in (_SlabDataLoaderIter,
-                                                                _ResumableIter)):
+    if callable(_value) and _name not in _OWN:
         setattr(_SlabDataLoaderIter, _name, _not_ours(_name))
-
-
 del _name, _value
