@@ -11,6 +11,7 @@ the per-worker seeds, ``persistent_workers``, ``prefetch_factor`` and ``timeout`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -274,6 +275,27 @@ class _SingleProcessIter(_ResumableIter, _SingleProcessDataLoaderIter):
         self._progress.worker_streams[0] = resume.stream_state(self._dataset, self._dataset_fetcher)
 
 
+_PENDING = object()  # a task's data before its result came
+
+
+@dataclasses.dataclass
+class _Task:
+    """A batch sent to a worker, until it is handed out."""
+
+    worker_id: int
+    index: object  # its indices (sent again to a replacement if its worker dies)
+    position: int | None  # its batch's place in the epoch's order (resume.py)
+    data: object = _PENDING  # its result, when it came before its turn
+    rng: object = None  # the worker's RNG states after it
+    stream: object = None  # the worker's stream state after it
+    counts: object = None  # the worker's skip counts after it
+    deaths: int = 0  # workers that died while it was theirs
+
+    @property
+    def pending(self) -> bool:
+        return self.data is _PENDING
+
+
 class _Replacing:
     """Part of the multi-process iterator: a worker started, or started again in the place of
     one that died (on_worker_failure="respawn") or was stuck past the decode deadline, from
@@ -291,15 +313,15 @@ class _Replacing:
         the RNG states after the last batch received from it (an IterableDataset worker also
         goes on from its stream state then, or pulls and drops what was received), given the
         old one's unfinished tasks again, in order."""
-        lost = sorted(i for i, info in self._task_info.items()
-                      if info[0] == worker_id and len(info) == 1)
+        lost = sorted(i for i, task in self._tasks.items()
+                      if task.worker_id == worker_id and task.pending)
         for i in lost if fault else ():
-            self._task_deaths[i] = self._task_deaths.get(i, 0) + 1
-            if self._task_deaths[i] > _MAX_DEATHS_PER_TASK:
+            self._tasks[i].deaths += 1
+            if self._tasks[i].deaths > _MAX_DEATHS_PER_TASK:
                 why = how_it_ended(self._workers[worker_id].exitcode)
                 raise RuntimeError(
-                    f"DataLoader worker {worker_id} died {self._task_deaths[i]} times on the "
-                    f"same batch (indices {self._task_index[i]}; last: {why}); not respawning"
+                    f"DataLoader worker {worker_id} died {self._tasks[i].deaths} times on the "
+                    f"same batch (indices {self._tasks[i].index}; last: {why}); not respawning"
                 )
         self._replacements += 1
         self._pool.end(worker_id)
@@ -313,7 +335,7 @@ class _Replacing:
         self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
         self._awaiting_resume.discard(worker_id)
         for i in lost:
-            self._index_queues[worker_id].put(("task", i, self._task_index[i], 0.0))
+            self._index_queues[worker_id].put(("task", i, self._tasks[i].index, 0.0))
 
     def _replace_stuck_workers(self) -> list[int]:
         """Workers on one sample past the decode deadline: the sample is marked expired (the
@@ -386,11 +408,11 @@ class _Receiving:
                 return True, ("respawned", replaced)
             deadline = min(watch.deadline for watch in self._watches)
             timeout = min(timeout, max(0.05, min(1.0, deadline / 4)))
-        expected = self._task_info.get(self._rcvd_idx, ())
-        if len(expected) == 1 and self._workers_status[expected[0]] \
-                and _readable(self._result_conns[expected[0]]):
+        due = self._tasks.get(self._rcvd_idx)
+        if due is not None and due.pending and self._workers_status[due.worker_id] \
+                and _readable(self._result_conns[due.worker_id]):
             try:  # the batch due next is there: no need to watch every worker (10 us)
-                return True, self._receive(expected[0])
+                return True, self._receive(due.worker_id)
             except EOFError:
                 pass  # its channel closed: found again below, with the reason
         # Inactive workers (ended or told to stop) owe no results, as in torch.
@@ -436,15 +458,15 @@ class _Receiving:
         self._received[worker_id] += 1
         if result.counts is not None:
             self._last_counts[worker_id] = result.counts
+        task = self._tasks.get(idx) or _Task(worker_id, None, None)  # (none: ended, dropped)
         if self._counters is not None:
-            self._task_counts[idx] = self._last_counts[worker_id]
-        self._task_index.pop(idx, None)
+            task.counts = self._last_counts[worker_id]
         if result.rng is not None:
-            self._task_rng[idx] = self._last_rng[worker_id] = result.rng
+            task.rng = self._last_rng[worker_id] = result.rng
         if result.stream is not None and result.status == "end":
             self._end_stream[worker_id] = self._last_stream[worker_id] = result.stream
         elif result.stream is not None:
-            self._task_stream[idx] = self._last_stream[worker_id] = result.stream
+            task.stream = self._last_stream[worker_id] = result.stream
         channel = self._channels[worker_id]
         self._ring.retire(channel, result.retired)
         if result.new:
@@ -561,13 +583,7 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
             self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
         self._send_idx = 0  # next task to send
         self._rcvd_idx = 0  # next task to return
-        self._task_info: dict[int, tuple] = {}  # idx -> (worker,) or (worker, data)
-        self._task_rng: dict[int, tuple] = {}  # idx -> the worker's RNG states after the task
-        self._task_stream: dict[int, tuple] = {}  # idx -> its stream state after the task
-        self._task_counts: dict[int, list] = {}  # idx -> its worker's skip counts after it
-        self._task_position: dict[int, int] = {}  # idx -> its batch's place in the epoch's order
-        self._task_index: dict[int, object] = {}  # idx -> its indices, until its result comes
-        self._task_deaths: dict[int, int] = {}  # idx -> workers that died while it was theirs
+        self._tasks: dict[int, _Task] = {}  # idx -> each task sent and not yet handed out
         # batches received from each worker this epoch (a restored one had skipped its own)
         self._received = list(self._progress.worker_batches) if first_iter else [0] * self._num_workers
         self._tasks_outstanding = 0
@@ -604,12 +620,11 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
         while True:
             # Skip tasks of workers that ended their IterableDataset; stop when none is left.
             while self._rcvd_idx < self._send_idx:
-                info = self._task_info.get(self._rcvd_idx)
-                if info:
-                    worker_id = info[0]
-                    if len(info) == 2 or self._workers_status[worker_id]:
+                task = self._tasks.get(self._rcvd_idx)
+                if task:
+                    if not task.pending or self._workers_status[task.worker_id]:
                         break
-                    del self._task_info[self._rcvd_idx]
+                    del self._tasks[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
                 self._progress.worker_streams = list(self._end_stream)  # for the next epoch
@@ -617,10 +632,10 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
                     self._shutdown_workers()
                 raise StopIteration
 
-            if len(self._task_info[self._rcvd_idx]) == 2:
-                worker_id, data = self._task_info.pop(self._rcvd_idx)
+            if not self._tasks[self._rcvd_idx].pending:
+                task = self._tasks.pop(self._rcvd_idx)
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id, self._rcvd_idx - 1)
+                return self._process_data(task.data, task)
 
             assert not self._shutdown and self._tasks_outstanding > 0
             idx, data = self._get_data()
@@ -639,13 +654,11 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
 
             if idx != self._rcvd_idx:
                 if not self._in_order:
-                    worker_id = self._task_info.pop(idx)[0]
-                    return self._process_data(data, worker_id, idx)
-                self._task_info[idx] += (data,)
+                    return self._process_data(data, self._tasks.pop(idx))
+                self._tasks[idx].data = data
             else:
-                worker_id = self._task_info.pop(idx)[0]
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id, idx)
+                return self._process_data(data, self._tasks.pop(idx))
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -668,18 +681,15 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
         self._index_queues[worker_id].put(
             ("task", self._send_idx, index, self._ring.loop_spare_s)
         )
-        self._task_info[self._send_idx] = (worker_id,)
-        self._task_index[self._send_idx] = index
-        self._task_position[self._send_idx] = self._sampler_iter.position
+        self._tasks[self._send_idx] = _Task(worker_id, index, self._sampler_iter.position)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _process_data(self, data, worker_id: int, idx: int):
-        self._progress.handed_out(worker_id, self._task_rng.pop(idx, None),
-                                  self._task_stream.pop(idx, None), self._task_position.pop(idx, None),
-                                  self._task_counts.pop(idx, None))
-        self._workers_num_tasks[worker_id] -= 1
+    def _process_data(self, data, task: "_Task"):
+        self._progress.handed_out(task.worker_id, task.rng, task.stream, task.position,
+                                  task.counts)
+        self._workers_num_tasks[task.worker_id] -= 1
         self._try_put_index()
         data = data.rebuild()
         if isinstance(data, torch._utils.ExceptionWrapper):
@@ -712,7 +722,7 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
                 torch_utils.signal_handling._remove_worker_pids(id(self))
                 self._worker_pids_set = self._pool.signal_id = False
             self._pool.forget()
-            self._task_info = {}
+            self._tasks = {}
             self._ring.close()
 
     def __del__(self) -> None:
