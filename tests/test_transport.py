@@ -476,14 +476,16 @@ def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(transport, monkeyp
 
 
 class SlowBig(Dataset):
-    """4 MiB samples that take 30 ms each: a decode-bound pipeline, whose batches leave the
-    workers time to give free slabs' memory back."""
+    """4 MiB samples that take 60 ms each: a decode-bound pipeline, whose batches leave the
+    workers time to give free slabs' memory back (clearly: a worker gives pages back after a
+    batch of 38 ms or more, 20 times what reserving them again costs, slabs.SlabWriter.finish;
+    30 ms samples sat at that edge and the test failed now and then)."""
 
     def __len__(self):
         return 24
 
     def __getitem__(self, i):
-        time.sleep(0.03)
+        time.sleep(0.06)
         return torch.full((4, 1024, 1024), i % 251, dtype=torch.uint8)
 
 
