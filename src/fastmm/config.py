@@ -54,7 +54,7 @@ def _env_shm_dir(name: str, default: str) -> str:
     reserved), so that a /proc or /sys is refused here rather than the slabs silently going
     elsewhere; one on a disk is taken with a warning that the slabs will be files on disk."""
     raw = _env_dir(name, default)
-    if raw == default and os.environ.get(name) in (None, ""):
+    if os.environ.get(name) in (None, ""):
         return raw  # the default: where O_TMPFILE is refused, memfd holds the slabs instead
     key = (os.path.realpath(raw), os.stat(raw).st_dev)
     if key in _shm_dirs_checked:
