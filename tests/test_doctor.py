@@ -56,13 +56,13 @@ def test_a_large_python_list_in_the_dataset_is_named_once():
     assert _findings(fastmm.DataLoader(ListHolder(200_000), batch_size=2)) == []  # no workers
 
 
-def test_shared_memory_too_small_for_the_rings_is_said_at_the_first_batch(monkeypatch):
+def test_shared_memory_too_small_for_the_slab_pool_is_said_at_the_first_batch(monkeypatch):
     with private_tmpfs("16m") as path:
         monkeypatch.setenv("FASTMM_SHM_DIR", path)
         loader = fastmm.DataLoader(Big(), batch_size=1, num_workers=2)
         found = _findings(loader)
         assert len(found) == 1
-        assert "24 MiB of shared memory" in found[0] and path in found[0]
+        assert "21 MiB of shared memory" in found[0] and path in found[0]  # (2 x 3 + 1) x 3 MiB
         assert "SharedMemoryError" in found[0]
         monkeypatch.setenv("FASTMM_SHM_DIR", "/dev/shm")
         assert _findings(fastmm.DataLoader(Big(), batch_size=1, num_workers=2)) == []
@@ -84,7 +84,7 @@ def test_the_shared_memory_warning_made_an_error_loses_no_batch(monkeypatch):
                     break
                 except doctor.FastmmWarning as warning:
                     raised.append(warning)
-        assert len(raised) == 1 and "24 MiB of shared memory" in str(raised[0])
+        assert len(raised) == 1 and "21 MiB of shared memory" in str(raised[0])
         assert got == [0, 1]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -92,8 +92,8 @@ def test_the_shared_memory_warning_made_an_error_loses_no_batch(monkeypatch):
         assert [w.filename for w in caught] == [__file__]
 
 
-def test_ring_bytes_follow_the_documented_formula():
-    assert doctor.ring_bytes(8, 2, 77_000_000) == 8 * 4 * 77_000_000
+def test_pool_bytes_follow_the_documented_formula():
+    assert doctor.pool_bytes(8, 2, 77_000_000) == (8 * 3 + 1) * 77_000_000
 
 
 @pytest.mark.slow
@@ -102,7 +102,7 @@ def test_the_doctor_command_reports_and_flags_problems():
     assert ok.returncode == 0 and "shared memory (" in ok.stdout and ok.stdout.endswith("OK\n")
     huge = subprocess.run([sys.executable, "-m", "fastmm.doctor", "--num-workers", "1",
                            "--batch-mb", str(10**9)], capture_output=True, text=True)
-    assert huge.returncode == 1 and "PROBLEM: the slab rings will need" in huge.stdout
+    assert huge.returncode == 1 and "PROBLEM: the slab pool will need" in huge.stdout
     assert "RuntimeWarning" not in huge.stderr
     many = subprocess.run([sys.executable, "-m", "fastmm.doctor", "--num-workers",
                            str(10 * os.cpu_count())], capture_output=True, text=True)

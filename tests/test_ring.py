@@ -1,15 +1,19 @@
-"""SlabWriter and SlabRing in one process: lending, return, retirement and pinning hooks."""
+"""SlabWriter and SlabPool in one process: lending, the pool, retirement and pinning hooks."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
+import os
+import signal
 import socket
+import time
 
 import pytest
 import torch
 
 from fastmm.config import TransportConfig
-from fastmm.slabs import SlabRing, SlabWriter
+from fastmm.slabs import SlabPool, SlabWriter
 
 
 @pytest.fixture
@@ -17,26 +21,27 @@ def pair(transport):
     worker_sock, main_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     writer = SlabWriter(worker_sock, TransportConfig(pure_python=transport == "pure"))
     pinned: dict[int, int] = {}
-    ring = SlabRing(
-        keep_free_per_worker=1,
+    ring = SlabPool(
+        keep_free=1,
         pin=lambda address, nbytes: pinned.__setitem__(address, nbytes),
         unpin=lambda address: pinned.pop(address),
     )
+    ring.connect(0, main_sock)
     yield writer, ring, main_sock, pinned
+    ring.close()
     writer.close()
     worker_sock.close()
     main_sock.close()
 
 
-def _write_batch(writer, ring, sock, payload: bytes):
+def _write_batch(writer, ring, sock, payload: bytes, channel: int = 0):
     writer.begin()
     slab_id, offset, region = writer.alloc(len(payload))
     writer.gather(region, 0, [payload], len(payload))
-    used, new, retired = writer.finish()
-    ring.retire(0, retired)
+    used, new = writer.finish()
     if new:
-        ring.receive(0, sock, new, worker_id=0)
-    views = ring.lend(0, used)
+        ring.receive(channel, new, worker_id=channel)
+    views = ring.lend(used)
     # The consumer must hold the lent view object itself, as torch.frombuffer does (a memoryview
     # slice or np.frombuffer shares the buffer without keeping the view object alive).
     region = torch.frombuffer(views[slab_id], dtype=torch.uint8, count=len(payload), offset=offset)
@@ -48,10 +53,72 @@ def test_lent_views_see_the_workers_bytes_and_come_back(pair):
     first, first_id = _write_batch(writer, ring, sock, b"a" * 100_000)
     assert bytes(first) == b"a" * 100_000
     assert list(pinned.values()) == [ring.nbytes]  # mapped once, pinned once
-    assert ring.drain() == {}  # still viewed
+    ring.drain()
+    assert ring._held[first_id]  # still viewed
     del first
     gc.collect()
-    assert ring.drain() == {0: ([first_id], [], [])}  # back to the worker for reuse
+    ring.drain()
+    assert not ring._held[first_id]  # back in the pool
+    again, again_id = _write_batch(writer, ring, sock, b"b" * 100_000)
+    assert again_id == first_id and bytes(again) == b"b" * 100_000  # reused
+
+
+def test_a_slab_released_goes_to_whichever_worker_starts_next(transport):
+    """One pool for all workers: a slab one worker wrote, once the loop lets go of it, is the
+    one the other worker's next batch is written into (no new slab, no second copy held)."""
+    config = TransportConfig(pure_python=transport == "pure")
+    ring = SlabPool(keep_free=4)
+    socks = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    writers = [SlabWriter(worker_sock, config) for worker_sock, _ in socks]
+    for channel, (_, main_sock) in enumerate(socks):
+        ring.connect(channel, main_sock)
+    first, first_id = _write_batch(writers[0], ring, None, b"a" * 50_000, channel=0)
+    del first
+    gc.collect()
+    ring.drain()
+    second, second_id = _write_batch(writers[1], ring, None, b"b" * 50_000, channel=1)
+    assert second_id == first_id and len(ring._slabs) == 1
+    assert bytes(second) == b"b" * 50_000
+    third, third_id = _write_batch(writers[0], ring, None, b"c" * 50_000, channel=0)
+    assert third_id != first_id and len(ring._slabs) == 2  # the first is held: a new one
+    assert bytes(second) == b"b" * 50_000 and bytes(third) == b"c" * 50_000
+    del second, third
+    ring.close()
+    for writer in writers:
+        writer.close()
+    for pair in socks:
+        for sock in pair:
+            sock.close()
+
+
+def test_a_dead_workers_claims_go_back_to_the_pool(transport):
+    """A worker that dies mid-batch leaves its slab taken in the table; forgetting its channel
+    frees it for the others (and a slab it created but never sent is simply gone)."""
+    config = TransportConfig(pure_python=transport == "pure")
+    ring = SlabPool(keep_free=4)
+    socks = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    writers = [SlabWriter(worker_sock, config) for worker_sock, _ in socks]
+    for channel, (_, main_sock) in enumerate(socks):
+        ring.connect(channel, main_sock)
+    batch, slab_id = _write_batch(writers[0], ring, None, b"a" * 50_000, channel=0)
+    del batch
+    gc.collect()
+    ring.drain()
+    writers[1].begin()
+    assert writers[1].alloc(50_000)[0] == slab_id  # claimed, then its worker "dies"
+    writers[1].begin()
+    unsent = writers[1].alloc(60_000)[0]  # created, never sent
+    ring.forget(1)
+    batch, again = _write_batch(writers[0], ring, None, b"z" * 50_000, channel=0)
+    assert again == slab_id and bytes(batch) == b"z" * 50_000
+    assert ring._table._state[unsent] == 0  # its slot is empty again
+    del batch
+    ring.close()
+    for writer in writers:
+        writer.close()
+    for pair in socks:
+        for sock in pair:
+            sock.close()
 
 
 def test_surplus_free_slabs_are_retired_and_unpinned(pair):
@@ -63,12 +130,13 @@ def test_surplus_free_slabs_are_retired_and_unpinned(pair):
         assert bytes(view) == bytes([i]) * 70_000
     del views, view
     gc.collect()
-    release, destroy, punched = ring.drain()[0]
-    assert len(release) == 1 and len(destroy) == 2  # keep one free slab, retire the rest
-    writer.apply(release, destroy, punched)
+    ring.drain()
+    assert len(ring._slabs) == 1  # keep one free slab, retire the rest
     assert len(pinned) == 1
+    kept = next(iter(ring._slabs))
     again, slab_id = _write_batch(writer, ring, sock, b"z" * 50_000)
-    assert slab_id == release[0]  # reused, not created
+    assert slab_id == kept and len(writer._slabs) == 1  # reused, not created; the worker
+    # unmapped the slabs retired
     assert bytes(again) == b"z" * 50_000
     del again
     ring.close()
@@ -80,20 +148,21 @@ def test_slabs_too_small_for_grown_batches_are_retired_not_kept(pair):
     """Once batches outgrow a free slab, no batch starts in it again: it goes (and is unpinned),
     so that the free slabs kept are ones the next batches can use."""
     writer, ring, sock, pinned = pair
-    small, small_id = _write_batch(writer, ring, sock, b"s" * 10_000)
+    small, slot = _write_batch(writer, ring, sock, b"s" * 10_000)
+    small_slab = (slot, ring._slabs[slot].generation)  # (a slot is used again by new slabs)
     del small
     gc.collect()
-    writer.apply(*ring.drain()[0])
-    ids = set()
+    ring.drain()
+    slabs = set()
     for i in range(6):
-        big, slab_id = _write_batch(writer, ring, sock, bytes([i]) * 100_000)
+        big, slot = _write_batch(writer, ring, sock, bytes([i]) * 100_000)
         assert bytes(big) == bytes([i]) * 100_000
-        ids.add(slab_id)
+        slabs.add((slot, ring._slabs[slot].generation))
         del big
         gc.collect()
-        writer.apply(*ring.drain()[0])
-    assert small_id not in ids and len(ids) == 1  # one big slab, reused by every batch
-    assert (0, small_id) not in ring._maps and len(pinned) == 1
+        ring.drain()
+    assert small_slab not in slabs and len(slabs) == 1  # one big slab, reused by every batch
+    assert len(ring._slabs) == 1 and len(pinned) == 1
     ring.close()
     assert pinned == {}
 
@@ -133,16 +202,54 @@ def test_a_slab_goes_back_only_once_its_copies_are_done(pair):
     not hand its slab to the worker, which would overwrite the bytes being copied."""
     writer, _, sock, pinned = pair
     fences = []
-    ring = SlabRing(keep_free_per_worker=1, pin=lambda a, n: None, unpin=lambda a: None,
+    ring = SlabPool(keep_free=1, pin=lambda a, n: None, unpin=lambda a: None,
                     fence=lambda: fences.append(Fence()) or fences[-1])
+    ring.connect(0, sock)
     view, slab_id = _write_batch(writer, ring, sock, b"c" * 30_000)
     del view
     gc.collect()
-    assert len(fences) == 1 and ring.drain() == {}  # its copy is still queued: kept
+    ring.drain()
+    assert len(fences) == 1 and ring._held[slab_id]  # its copy is still queued: kept
     fences[0].passed = True
-    assert ring.drain() == {0: ([slab_id], [], [])}
+    ring.drain()
+    assert not ring._held[slab_id]
     view, _ = _write_batch(writer, ring, sock, b"d" * 30_000)
     del view
     gc.collect()
     ring.close()  # waits for the fence before unregistering the memory
     assert fences[1].passed
+
+
+def test_the_table_lock_is_bounded_for_main_and_dropped_with_a_dead_holder():
+    """A worker stopped while it holds the slab table's lock makes the main process raise
+    after its patience, not hang; a worker killed while holding it leaves it free."""
+    from fastmm.slabs import SlabTable
+
+    table = SlabTable.create(patience_s=0.3)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # a "worker" that takes the lock and stops there
+        try:
+            fcntl.lockf(table.fd, fcntl.LOCK_EX)
+            os.write(write, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(read, 1) == b"x"
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="held fastmm's slab table"):
+            table.free([(0, False)])
+        assert 0.3 <= time.monotonic() - started < 5
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        table.free([(0, False)])  # the kernel dropped the dead holder's lock
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(read)
+        os.close(write)
+        table.close()

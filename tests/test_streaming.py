@@ -16,7 +16,7 @@ import fastmm
 from fastmm.telemetry import Telemetry
 from fastmm import _streaming, collate
 from fastmm.config import TransportConfig
-from fastmm.slabs import SlabWriter
+from fastmm.slabs import SlabPool, SlabWriter
 from _datasets import Point
 
 
@@ -167,10 +167,13 @@ def writer(transport):
     """A real slab writer in this process, as collation finds it in a worker."""
     worker_sock, main_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     writer = SlabWriter(worker_sock, TransportConfig(pure_python=transport == "pure"))
+    ring = SlabPool(keep_free=1)
+    ring.connect(0, main_sock)
     collate.set_writer(writer)
     writer.begin()
     yield writer
     collate.set_writer(None)
+    ring.close()
     writer.close()
     worker_sock.close()
     main_sock.close()

@@ -2,9 +2,10 @@
 or with the loader's process killed: see _workers._exit_when_orphaned).
 
 A worker has three channels to the main process: its index queue (tasks in), its result pipe
-(batches out) and a socket that carries new slabs' descriptors. The slab ring knows a worker by
-its channel number: a replacement gets a new one, so its slab ids cannot meet those of batches
-its predecessor left in the loop's hands.
+(batches out) and a socket that carries slabs' descriptors both ways (the slabs it creates; the
+pool's table and slabs of other workers it may claim). The slab pool knows a worker by its
+channel number: a replacement gets a new one, so what the pool's table says its predecessor
+had claimed cannot be taken for its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import warnings
 from torch.utils.data import _utils as torch_utils
 
 from ._workers import StopFlag, worker_loop
-from .slabs import SlabRing, open_files_guard
+from .slabs import SlabPool, open_files_guard
 
 STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
 _OPEN_POOLS: dict[int, "WorkerPool"] = {}  # id -> each pool not yet shut down
@@ -32,8 +33,8 @@ class WorkerPool:
     """``num_workers`` worker processes running ``_workers.worker_loop`` with ``args`` (a
     dict of its keyword arguments but the per-worker ones), and their channels, by worker id."""
 
-    def __init__(self, num_workers: int, context, ring: SlabRing, args: dict, warn_as_torch):
-        self.context, self.ring, self.args = context, ring, args
+    def __init__(self, num_workers: int, context, slab_pool: SlabPool, args: dict, warn_as_torch):
+        self.context, self.slab_pool, self.args = context, slab_pool, args
         self.owner_pid = os.getpid()
         self.done_event = StopFlag(context)
         self.processes: list = [None] * num_workers
@@ -87,6 +88,7 @@ class WorkerPool:
         self.processes[worker_id] = process
         self.result_conns[worker_id] = result_recv
         self.fd_socks[worker_id] = fd_main
+        self.slab_pool.connect(self.channels[worker_id], fd_main)
 
     def end(self, worker_id: int) -> None:
         """End worker ``worker_id`` (dead, or lingering with its channel broken: it must not
@@ -99,7 +101,7 @@ class WorkerPool:
         self.result_conns[worker_id].close()
         self.fd_socks[worker_id].close()
         self.index_queues[worker_id].close()
-        self.ring.forget(self.channels[worker_id])
+        self.slab_pool.forget(self.channels[worker_id])
         self.channels[worker_id] = max(self.channels) + 1
 
     def kill(self, worker_id: int) -> None:
@@ -133,7 +135,7 @@ class WorkerPool:
             conn.close()
         # unmapped before the join: the exiting workers then free the slabs' pages, in
         # parallel, instead of this thread after them
-        self.ring.close()
+        self.slab_pool.close()
         deadline = time.monotonic() + join_s
         for process in self.started():
             process.join(timeout=max(0.0, deadline - time.monotonic()))

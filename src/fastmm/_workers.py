@@ -4,13 +4,12 @@ a result queue of shared-memory segments.
 Messages from the main process (on the worker's index queue):
   ("task", send_idx, index, spare)  fetch and collate one batch (or one sample); spare: seconds
                                    the loop spent outside next() last step (see slabs.py)
-  ("slabs", release_ids, destroy_ids, punched_ids)  slabs the main process no longer views;
-                                   punched: released ones whose pages it gave back
   ("resume", shared_seed, epoch)   a new epoch on persistent workers; epoch: the main process's
                                    hooks.epoch, passed on to this copy (else None)
   None                             exit
 Messages to the main process (on the worker's result connection): a Result for each task;
-  ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first.
+  ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first;
+  the pool's news comes on that socket too (slabs.SlabWriter._sync).
 """
 
 from __future__ import annotations
@@ -106,9 +105,8 @@ class Result(NamedTuple):
     send_idx: int
     status: str  # "data", "error" (payload: an ExceptionWrapper) or "end" (an iterable ran out)
     payload: object  # collate.pack's
-    used: list  # the slabs the payload lies in
-    new: list  # (slab id, capacity) of slabs created for it (their fds: on the fd socket)
-    retired: list  # free slabs the worker closed
+    used: list  # the slots of the slabs the payload lies in
+    new: list  # (slot, generation, capacity) of slabs created for it (fds: on the fd socket)
     rng: object  # the worker's RNG states after the task if it changed them, else None
     stream: object  # an IterableDataset's resume.stream_state() after the task (resume.py)
     counts: object  # its row of the dataset's skip counts (hooks.py) if the task changed it
@@ -274,18 +272,14 @@ def worker_loop(
             except queue.Empty:
                 if done_event.is_set():  # told to stop, but the exit message is not coming
                     break
-                if idle_timeout == IDLE_WORKER_S:  # no work for a while: unmap the ring here
+                if idle_timeout == IDLE_WORKER_S:  # no work for a while: unmap the slabs here
                     writer.trim()
                 idle_timeout = MP_STATUS_CHECK_INTERVAL
                 continue
             idle_timeout = IDLE_WORKER_S
             if message is None:
                 break
-            kind = message[0]
-            if kind == "slabs":
-                writer.apply(*message[1:])
-                continue
-            if kind == "resume":
+            if message[0] == "resume":
                 result_conn.send(("resumed",))
                 iteration_end = False
                 if isinstance(dataset, IterDataPipe):
@@ -321,10 +315,10 @@ def worker_loop(
                 )
                 status = "error"
             del result
-            used, new, retired = writer.finish()
+            used, new = writer.finish()
             # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
             result_conn.send_bytes(pickle.dumps(
-                Result(send_idx, status, payload, used, new, retired, rng_watch.changed(),
+                Result(send_idx, status, payload, used, new, rng_watch.changed(),
                        stream, counts_watch.changed()), pickle.DEFAULT_PROTOCOL))
             del payload, message, index
     except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 """Pre-flight checks: what will make a loader fail or slow down later, said before it does.
 
 ``fastmm.DataLoader`` warns of ``loader_findings`` when its workers start (each finding once per
-loader, as a ``FastmmWarning``) and checks shared memory against the ring once the first batch
+loader, as a ``FastmmWarning``) and checks shared memory against the slab pool once the first batch
 shows its size. ``python -m fastmm.doctor`` (or ``fastmm-doctor``) prints the same checks for
 this machine and, given a batch size in bytes, the shared memory a configuration needs.
 """
@@ -29,10 +29,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def ring_bytes(num_workers: int, prefetch_factor: int, batch_bytes: int) -> int:
-    """Shared memory a steady loop's slab rings hold (docs/loader.md): each worker keeps
-    ``prefetch_factor + 1`` free slabs plus the one in the loop's hands."""
-    return num_workers * (prefetch_factor + 2) * batch_bytes
+def pool_bytes(num_workers: int, prefetch_factor: int, batch_bytes: int) -> int:
+    """Shared memory a steady loop's slab pool holds at most (docs/loader.md): ``prefetch_factor
+    + 1`` slabs per worker that are not in the loop's hands, plus the one that is."""
+    return (num_workers * (prefetch_factor + 1) + 1) * batch_bytes
 
 
 def shm_finding(need: int, shm_dir: str | None = None, held: int = 0) -> str | None:
@@ -44,7 +44,7 @@ def shm_finding(need: int, shm_dir: str | None = None, held: int = 0) -> str | N
         return f"{shm_dir} is not usable for shared memory: {e}"
     if need <= usage.free + held:
         return None
-    return (f"the slab rings will need about {need / 2**20:,.0f} MiB of shared memory but "
+    return (f"the slab pool will need up to {need / 2**20:,.0f} MiB of shared memory but "
             f"{shm_dir} has {(usage.free + held) / 2**20:,.0f} MiB free (of "
             f"{usage.total / 2**20:,.0f}): a new slab will fail with SharedMemoryError. Give the "
             "container more (docker --shm-size), set FASTMM_SHM_DIR to a larger tmpfs, or lower "
@@ -120,10 +120,10 @@ def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | Non
         if num_workers > cores:  # slower, not broken: torch warns about it too
             lines.append(f"WARNING: {num_workers} workers for {cores} cores: they will share them")
         if batch_bytes is not None:
-            need = ring_bytes(num_workers, prefetch_factor, batch_bytes)
+            need = pool_bytes(num_workers, prefetch_factor, batch_bytes)
             finding = shm_finding(need, config.shm_dir)
-            lines.append(f"slab rings for {num_workers} workers x (prefetch {prefetch_factor} + 2)"
-                         f" x {batch_bytes / 2**20:,.1f} MiB batches: {need / 2**20:,.0f} MiB")
+            lines.append(f"slab pool for ({num_workers} workers x (prefetch {prefetch_factor} + 1)"
+                         f" + 1) x {batch_bytes / 2**20:,.1f} MiB batches: {need / 2**20:,.0f} MiB")
             if finding:
                 lines.append("PROBLEM: " + finding)
                 problem = True

@@ -1,5 +1,5 @@
 """fastmm.DataLoader: torch's DataLoader with a multi-process iterator that moves batches
-through a ring of reused shared-memory slabs.
+through a pool of reused shared-memory slabs.
 
 It subclasses ``torch.utils.data.DataLoader``, so the signature, defaults, argument errors,
 samplers, ``len()`` and the single-process path are torch's own, and ``isinstance(loader,
@@ -41,7 +41,7 @@ from torch.utils.data.dataloader import (
 from . import collate, hooks, resume
 from ._pool import STATUS_CHECK_INTERVAL_S, WorkerPool, how_it_ended
 from .config import TransportConfig
-from .slabs import SlabRing, cuda_page_locking
+from .slabs import SlabPool, cuda_page_locking
 from .telemetry import auto as auto_export
 from .telemetry.recorder import unwatched
 
@@ -382,26 +382,20 @@ class _Receiving:
     worker noticed at once), and their slabs given back once the loop lets go of them."""
 
     def _check_shared_memory(self, slab_bytes: int) -> None:
-        """Once batches show their size: will the rings fit? (Warned once per loader.)"""
+        """Once batches show their size: will the slab pool fit? (Warned once per loader.)"""
         from . import doctor
 
-        need = doctor.ring_bytes(self._num_workers, self._prefetch_factor, slab_bytes)
+        need = doctor.pool_bytes(self._num_workers, self._prefetch_factor, slab_bytes)
         if need > self._shm_checked:
             self._shm_checked = need
-            finding = doctor.shm_finding(need, self._transport.shm_dir, held=self._ring.nbytes)
+            finding = doctor.shm_finding(need, self._transport.shm_dir, held=self._slab_pool.nbytes)
             if finding:  # not now: a warning made an error (-W error) would lose this batch
                 self._unsaid.append(finding)
-
-    def _return_slabs(self) -> None:
-        for channel, (release, destroy, punched) in self._ring.drain().items():
-            worker_id = self._channels.index(channel)
-            if self._workers[worker_id].is_alive():
-                self._index_queues[worker_id].put(("slabs", release, destroy, punched))
 
     def _try_get_data(self, timeout: float):
         """(True, (idx, data)) from any worker within ``timeout`` s, else (False, None); a dead
         worker raises at once."""
-        self._return_slabs()
+        self._slab_pool.drain()
         if self._watches:
             replaced = self._replace_stuck_workers()
             if replaced:
@@ -468,11 +462,10 @@ class _Receiving:
         elif result.stream is not None:
             task.stream = self._last_stream[worker_id] = result.stream
         channel = self._channels[worker_id]
-        self._ring.retire(channel, result.retired)
         if result.new:
-            self._ring.receive(channel, self._fd_socks[worker_id], result.new, worker_id)
-            self._check_shared_memory(max(capacity for _, capacity in result.new))
-        views = self._ring.lend(channel, result.used)
+            self._slab_pool.receive(channel, result.new, worker_id)
+            self._check_shared_memory(max(capacity for *_, capacity in result.new))
+        views = self._slab_pool.lend(result.used)
         if result.status == "end":
             return idx, torch_utils.worker._IterableDatasetStopIteration(worker_id)
         return idx, _Received(result.payload, views, worker_id)
@@ -526,10 +519,11 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
         self._shutdown = False
         self._worker_pids_set = False
         self._workers_status = [False] * self._num_workers
-        # A worker runs ahead by up to prefetch_factor batches: keeping that many free slabs plus
-        # the one just released means a steady loop never creates or destroys a slab.
+        # Workers run ahead by up to prefetch_factor batches each: keeping that many slabs in the
+        # pool per worker, plus one, means a steady loop never creates or closes a slab.
         locking = self._pin_memory and self._pin_memory_device == "cuda"
-        self._ring = SlabRing(self._prefetch_factor + 1, lean=transport.slab_memory == "lean",
+        self._slab_pool = SlabPool(self._num_workers * (self._prefetch_factor + 1),
+                              lean=transport.slab_memory == "lean",
                               **(cuda_page_locking() if locking else {}))
         self._transport = transport
         self._respawn = loader.on_worker_failure == "respawn"
@@ -538,10 +532,10 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
         for watch in self._watches:
             watch.watched = True
         self._awaiting_resume: set[int] = set()  # workers yet to acknowledge a new epoch
-        self._shm_checked = 0  # the largest ring size checked against free shared memory
+        self._shm_checked = 0  # the largest pool size checked against free shared memory
         self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
         self._unsaid: list[str] = []  # warned at the next next(), before it changes anything
-        self._pool = WorkerPool(self._num_workers, context, self._ring, dict(
+        self._pool = WorkerPool(self._num_workers, context, self._slab_pool, dict(
             dataset_kind=self._dataset_kind, dataset=self._dataset,
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
             drop_last=self._drop_last, base_seed=self._base_seed,
@@ -549,8 +543,8 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
             transport=transport), _call_as_torch)
         # the pool's own lists, by worker id (a replacement takes its predecessor's place)
         self._workers, self._index_queues = self._pool.processes, self._pool.index_queues
-        self._result_conns, self._fd_socks = self._pool.result_conns, self._pool.fd_socks
-        self._channels = self._pool.channels  # the slab ring's key for each (_pool.py)
+        self._result_conns = self._pool.result_conns
+        self._channels = self._pool.channels  # the slab pool's key for each (_pool.py)
         self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
         self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
         self._counters = hooks.skip_counts(self._dataset)
@@ -615,8 +609,8 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
 
             unsaid, self._unsaid = self._unsaid, []
             doctor.warn_once(self._findings_said, unsaid, stacklevel=5)
-        self._ring.step()
-        self._return_slabs()  # slabs of batches the loop dropped go back before new tasks go out
+        self._slab_pool.step()
+        self._slab_pool.drain()  # slabs of batches the loop dropped go back before new tasks go out
         while True:
             # Skip tasks of workers that ended their IterableDataset; stop when none is left.
             while self._rcvd_idx < self._send_idx:
@@ -679,7 +673,7 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
         else:
             return
         self._index_queues[worker_id].put(
-            ("task", self._send_idx, index, self._ring.loop_spare_s)
+            ("task", self._send_idx, index, self._slab_pool.loop_spare_s)
         )
         self._tasks[self._send_idx] = _Task(worker_id, index, self._sampler_iter.position)
         self._workers_num_tasks[worker_id] += 1
@@ -723,14 +717,14 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
                 self._worker_pids_set = self._pool.signal_id = False
             self._pool.forget()
             self._tasks = {}
-            self._ring.close()
+            self._slab_pool.close()
 
     def __del__(self) -> None:
         # only where it was made: a forked child may collect its copy of an iterator. The
         # garbage collector may run this in any thread, even the feeder thread of one of our
         # index queues, which then cannot deliver the workers' exit message: wait briefly,
         # then terminate them (they hold nothing anyone still reads).
-        if hasattr(self, "_ring") and self._owner_pid == os.getpid():
+        if hasattr(self, "_slab_pool") and self._owner_pid == os.getpid():
             self._shutdown_workers(join_s=0.2)
 
 

@@ -1,23 +1,31 @@
-"""The shared-memory slab ring: the only module that touches fastmm._C (or its twin).
+"""The shared-memory slab pool: the only module that touches fastmm._C (or its twin).
 
-Workers write batches into slabs they own; the main process maps each slab once and wraps
-regions of it as tensors without copying. A slab is lent to one batch at a time and goes back
-to its worker when the last tensor viewing it is freed, so users may keep batches as long as
-they like: the ring grows when all slabs are held and shrinks back when they are released.
+Workers write batches into slabs of one pool that all of them share; the main process maps each
+slab once and wraps regions of it as tensors without copying. A slab is lent to one batch at a
+time and goes back to the pool when the last tensor viewing it is freed; the next worker to
+start a batch claims it, whichever worker wrote it before. So the pool holds about the batches
+in flight, as torch does (per-worker rings each kept a free slab waiting for their own next
+batch), and users may keep batches as long as they like: the pool grows when all slabs are
+held and shrinks back when they are released.
 
-Idle memory goes back when the time a process has to spare is several times what getting it
+Who may write which slab is in a small shared table (SlabTable): each slab's slot is empty,
+taken or free, changed under a POSIX record lock that the kernel drops if its holder dies. A
+worker that creates a slab sends its descriptor to the main process, which passes it on to the
+other workers when the slab is first free (news on each worker's fd socket).
+
+Idle memory goes back when the time the loop has to spare is several times what getting it
 back will cost. Unmapping a slab (its pages stay in the slab file) costs a fault per page to map
 it again (~0.1 ms/MB to read); giving its pages back to the system (a hole punched in the file)
 costs reserving, zeroing and mapping them again before the next write (~0.45 ms/MB, measured).
-The main process looks at the loop's step (waiting for data included): a slab the loop releases
-is unmapped at 5x the read cost and given back at 5x both costs. A worker looks at how long the
-loop spent outside next() (sent with each task: a paced, GPU-bound loop; 3x the refill cost) and
-at how long its batch took to make (decoding; 20x): then it unmaps every slab once the batch is
-sent and gives back the free ones, and each one that comes back; a worker without work for
-IDLE_WORKER_S does so whatever the pace. A paced or decode-bound loader then holds about the
-batches in flight, as torch's does, while a loop running flat out pays nothing for it.
-FASTMM_SLAB_MEMORY=lean does all of it whatever the pace: torch's memory at full speed, for the
-cost of every batch's pages reserved and faulted in again.
+Both follow the loop's own time outside next() (a paced, GPU-bound loop): the main process
+unmaps a slab the loop releases at 5x the read cost and gives it back at 5x both costs; a
+worker, told that time with each task, unmaps every slab once its batch is sent and gives back
+the free ones at 3x the refill cost. Time the loop spends waiting for data does not count: the
+slab it lets go of then is claimed by the next batch a worker starts. Free slabs no worker
+claimed for IDLE_FREE_S (the pool grew for a burst), and everything a worker without work for
+IDLE_WORKER_S maps, go back whatever the pace. FASTMM_SLAB_MEMORY=lean does all of it for
+every batch: the least memory at full speed, for the cost of every batch's pages reserved and
+faulted in again.
 
 Slabs are unnamed files on /dev/shm (O_TMPFILE; memfd where unsupported) passed between
 processes as file descriptors, so no crash or ``kill -9`` can leave one behind. Their space is
@@ -27,14 +35,17 @@ reserved at creation, and again before a write into one whose pages went back, s
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import resource
 import shutil
 import socket
+import struct
 import time
 import weakref
 from dataclasses import dataclass
@@ -47,8 +58,9 @@ from .config import TransportConfig
 ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
 _GRANULE = mmap.PAGESIZE  # slab sizes are rounded up to whole pages
 IDLE_TRIM_S = 0.02  # below this much spare time per step, never unmap
-PACE_STEPS = 4  # the loop's last steps whose mean is its pace, for giving pages back
 IDLE_WORKER_S = 1.0  # a worker with no work this long drops its mappings whatever the loop does
+IDLE_FREE_S = 1.0  # a slab free this long (more than the loop needs) gives its pages back
+TABLE_PATIENCE_S = 10.0  # the main process's wait for the slab table's lock, at most
 _READ_REMAP_S_PER_BYTE = 0.1e-9  # faulting a slab's pages back in to read them (main)
 _REFILL_S_PER_BYTE = 0.45e-9  # reserving a punched slab again and mapping it (worker: 34 ms
 # for 77 MB on a 2-core Xeon VM, where an unmapped one takes 8 ms to map back)
@@ -123,32 +135,172 @@ def _too_many_files(doing: str) -> RuntimeError:
     )
 
 
+_EMPTY, _TAKEN, _FREE = 0, 1, 2  # a slot's states in the table (an unused one is zeros)
+_SLOTS = 16384  # slabs alive at once, all workers together
+_HEADER = 64  # the table's first cache line: the largest batch so far (bytes)
+_ENTRY = np.dtype([("state", "u1"), ("punched", "u1"), ("owner", "<i4"), ("generation", "<u4")],
+                  align=True)
+_TABLE_BYTES = _HEADER + _SLOTS * _ENTRY.itemsize
+# The main process's news to a worker, on its fd socket: (slot, generation, capacity). With a
+# descriptor: a slab it may claim (slot -1: the table itself, generation: the worker's channel).
+# Without: the slab of that generation is gone.
+_NEWS = struct.Struct("<iIQ")
+
+
+class SlabTable:
+    """The pool's shared state: each slab's slot (its number in every process) is empty, taken
+    (a worker writes it, or the loop holds its batch) or free (the next worker to start a
+    batch may claim it). Changed only under a POSIX record lock on the table's file, which the
+    kernel drops if the process holding it dies."""
+
+    def __init__(self, fd: int, patience_s: float | None = None):
+        """``patience_s``: how long to wait for the lock before raising (the main process must
+        not hang on a worker stopped while holding it); None: as long as it takes."""
+        self.fd = fd
+        self._patience_s = patience_s
+        self._mm = mmap.mmap(fd, _TABLE_BYTES, flags=mmap.MAP_SHARED)
+        self._largest = np.frombuffer(self._mm, dtype="<u8", count=1)
+        entries = np.frombuffer(self._mm, dtype=_ENTRY, count=_SLOTS, offset=_HEADER)
+        self._state, self._punched = entries["state"], entries["punched"]
+        self._owner, self._generation = entries["owner"], entries["generation"]
+
+    @classmethod
+    def create(cls, patience_s: float | None = None) -> "SlabTable":
+        with open_files_guard("creating the slab pool's table"):
+            fd = os.memfd_create("fastmm-slab-table", os.MFD_CLOEXEC)
+        os.ftruncate(fd, _TABLE_BYTES)
+        return cls(fd, patience_s)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        if self._patience_s is None:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        else:
+            deadline = time.monotonic() + self._patience_s
+            while True:
+                try:
+                    fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"a DataLoader worker has held fastmm's slab table for over "
+                            f"{self._patience_s:g} s (stopped by SIGSTOP or a debugger?)"
+                        ) from None
+                    time.sleep(0.001)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    @property
+    def largest(self) -> int:
+        """Bytes of the largest batch written so far, by any worker."""
+        return int(self._largest[0])
+
+    def note_batch(self, nbytes: int) -> None:
+        if nbytes > self._largest[0]:
+            with self._locked():
+                self._largest[0] = max(int(self._largest[0]), nbytes)
+
+    def claim(self, candidates: list[tuple[int, int]], owner: int, unpunched: bool = False,
+              first: bool = True) -> list[tuple[int, bool]]:
+        """Take free slabs among ``candidates`` ((slot, generation), in the order preferred)
+        for ``owner``: the first one (or, ``first=False``, all; ``unpunched``: only those whose
+        pages are there). Returns [(slot, whether its pages went back)]."""
+        taken = []
+        with self._locked():
+            for slot, generation in candidates:
+                if self._state[slot] == _FREE and self._generation[slot] == generation \
+                        and not (unpunched and self._punched[slot]):
+                    self._state[slot], self._owner[slot] = _TAKEN, owner
+                    taken.append((slot, bool(self._punched[slot])))
+                    if first:
+                        break
+        return taken
+
+    def new_slot(self, owner: int) -> tuple[int, int]:
+        """An empty slot, now taken by ``owner`` for a slab it creates: (slot, generation)."""
+        with self._locked():
+            empty = np.flatnonzero(self._state == _EMPTY)
+            if not len(empty):
+                raise RuntimeError(
+                    f"fastmm's slab pool is full: {_SLOTS} slabs are alive, one or more for each "
+                    "batch the loop keeps. Keep fewer batches alive (copy what you keep).")
+            slot = int(empty[0])
+            self._state[slot], self._owner[slot], self._punched[slot] = _TAKEN, owner, 0
+            self._generation[slot] += 1
+            return slot, int(self._generation[slot])
+
+    def free(self, slots: list[tuple[int, bool]]) -> None:
+        """Put taken slabs back for any worker to claim: [(slot, whether its pages went back)]."""
+        with self._locked():
+            for slot, punched in slots:
+                self._punched[slot], self._state[slot] = punched, _FREE
+
+    def empty(self, slots: list[int], only_free: bool = False) -> list[int]:
+        """Empty slots (their slabs are closed): all, or those still free. Returns them."""
+        emptied = []
+        with self._locked():
+            for slot in slots:
+                if not only_free or self._state[slot] == _FREE:
+                    self._state[slot] = _EMPTY
+                    emptied.append(slot)
+        return emptied
+
+    def release_claims(self, owner: int, pooled: set[int]) -> None:
+        """A worker died: the slabs it had taken and not handed over are free again if the main
+        process maps them (``pooled``: pages unknown, so counted as given back), else empty."""
+        with self._locked():
+            for slot in np.flatnonzero((self._state == _TAKEN) & (self._owner == owner)):
+                slot = int(slot)
+                if slot in pooled:
+                    self._punched[slot], self._state[slot] = 1, _FREE
+                else:
+                    self._state[slot] = _EMPTY
+
+    def close(self) -> None:
+        del self._largest, self._state, self._punched, self._owner, self._generation
+        _close_quietly(self._mm)
+        os.close(self.fd)
+
+
 @dataclass
-class _OwnedSlab:
+class _MappedSlab:
     mm: mmap.mmap
     fd: int  # kept to reserve the space again after its pages went back (punched)
     capacity: int
+    generation: int
     address: int
     trimmed: bool = False  # this process maps none of its pages
-    punched: bool = False  # its pages went back to the system: reserve them before a write
+
+
+def _map_slab(fd: int, capacity: int, generation: int, populate: bool, doing: str) -> _MappedSlab:
+    with open_files_guard(doing):  # the mapping keeps a duplicate descriptor
+        mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
+    return _MappedSlab(mm, fd, capacity, generation, _address(mm), trimmed=not populate)
+
+
+def _close_slab(slab: _MappedSlab) -> None:
+    _close_quietly(slab.mm)
+    os.close(slab.fd)
 
 
 class SlabWriter:
-    """Worker side: owns this worker's slabs and hands out regions of them for one batch."""
+    """Worker side: claims slabs of the pool (or creates them) and hands out regions of them
+    for one batch."""
 
     def __init__(self, fd_sock: socket.socket, config: TransportConfig):
         self._fd_sock = fd_sock
         self._config = config
         self._native = _load_native(config.pure_python)
-        self._slabs: dict[int, _OwnedSlab] = {}
-        self._free: list[int] = []
-        self._next_id = 0
-        self._expected = 0  # bytes of the largest batch so far: the size a new slab starts from
-        self._batch: list[list[int]] = []  # [slab_id, bytes used] for the batch being written
-        self._created: list[tuple[int, int, int]] = []  # (slab_id, capacity, fd) not yet sent
-        self._retired: list[int] = []  # closed here, not yet reported to the main process
-        self._began = 0.0
-        self._spare = False  # the last batch left time to give memory back (finish)
+        self._table: SlabTable | None = None  # the first news from the main process
+        self._channel = -1  # this worker's number in the table
+        self._slabs: dict[int, _MappedSlab] = {}  # by slot: every slab this worker maps
+        self._batch: list[list[int]] = []  # [slot, bytes used] for the batch being written
+        self._created: list[int] = []  # slots created for this batch, not yet sent
         self.loop_spare_s = 0.0  # set from each task: the loop's last step outside next()
 
     @property
@@ -159,123 +311,132 @@ class SlabWriter:
     def planes(self):
         return self._native.planes
 
-    def apply(self, release: list[int], destroy: list[int], punched: list[int]) -> None:
-        """Take back slabs the main process no longer views (``punched``: those whose pages it
-        gave back); drop the ones it retired. While batches leave time to spare, a slab that
-        comes back gives its pages back at once."""
-        self._free.extend(release)
-        for slab_id in punched:
-            self._slabs[slab_id].punched = self._slabs[slab_id].trimmed = True
-        if self._spare:
-            self._punch(release)
-        for slab_id in destroy:
-            self._close(self._slabs.pop(slab_id))
+    def _sync(self, wait: bool = False) -> None:
+        """Take in the main process's news: the table (``wait``: waited for, if not here
+        yet), slabs this worker may claim, slabs gone."""
+        while True:
+            flags = 0 if wait and self._table is None else socket.MSG_DONTWAIT
+            try:
+                data, fds = _recv_fds(self._fd_sock, _NEWS.size, 1, flags)
+            except BlockingIOError:
+                return
+            if not data:  # the main process closed its end: nothing more will come
+                if self._table is None:
+                    raise EOFError("the main process closed the slab channel")
+                return
+            slot, generation, capacity = _NEWS.unpack(data)
+            if slot < 0:
+                if self._table is not None:
+                    self._table.close()
+                self._table, self._channel = SlabTable(fds[0]), generation
+                continue
+            old = self._slabs.get(slot)
+            if old is not None and (fds or old.generation == generation):
+                _close_slab(self._slabs.pop(slot))  # gone, or its slot holds another now
+            if fds:
+                self._slabs[slot] = _map_slab(fds[0], capacity, generation, False,
+                                              "mapping a shared-memory slab in a worker")
 
     def begin(self) -> None:
         self._batch = []
-        self._began = time.monotonic()
 
     def trim(self) -> None:
         """Stop mapping every slab's pages, and give free slabs' pages back to the system:
         batches waiting for the loop count in no process, and free slabs take no memory,
         until they are used (the next write reserves and maps a slab back)."""
+        self._sync()
         for slab in self._slabs.values():
             if not slab.trimmed:
                 _advise(slab.mm, mmap.MADV_DONTNEED)
                 slab.trimmed = True
-        self._punch(self._free)
-
-    def _punch(self, slab_ids: list[int]) -> None:
-        for slab_id in slab_ids:
-            slab = self._slabs[slab_id]
-            if not slab.punched:
-                slab.punched = slab.trimmed = _advise(slab.mm, mmap.MADV_REMOVE)
+        if self._table is not None:
+            known = [(slot, slab.generation) for slot, slab in self._slabs.items()]
+            taken = self._table.claim(known, self._channel, unpunched=True, first=False)
+            self._table.free([(slot, _advise(self._slabs[slot].mm, mmap.MADV_REMOVE))
+                              for slot, _ in taken])
 
     def alloc(self, nbytes: int) -> tuple[int, int, memoryview]:
-        """A writable region of ``nbytes`` for the current batch: (slab id, offset, view)."""
+        """A writable region of ``nbytes`` for the current batch: (slot, offset, view)."""
         for entry in self._batch:
-            slab_id, used = entry
+            slot, used = entry
             start = _round_up(used, ALIGN)
-            if start + nbytes <= self._slabs[slab_id].capacity:
+            if start + nbytes <= self._slabs[slot].capacity:
                 entry[1] = start + nbytes
-                return slab_id, start, memoryview(self._slabs[slab_id].mm)[start : start + nbytes]
-        slab_id = self._take(nbytes)
-        self._batch.append([slab_id, nbytes])
-        return slab_id, 0, memoryview(self._slabs[slab_id].mm)[:nbytes]
+                return slot, start, memoryview(self._slabs[slot].mm)[start : start + nbytes]
+        slot = self._take(nbytes)
+        self._batch.append([slot, nbytes])
+        return slot, 0, memoryview(self._slabs[slot].mm)[:nbytes]
 
     def locate(self, address: int, nbytes: int) -> tuple[int, int] | None:
-        """(slab id, offset) if [address, address+nbytes) lies in a slab of the current batch."""
-        for slab_id, used in self._batch:
-            slab = self._slabs[slab_id]
+        """(slot, offset) if [address, address+nbytes) lies in a slab of the current batch."""
+        for slot, used in self._batch:
+            slab = self._slabs[slot]
             if slab.address <= address and address + nbytes <= slab.address + used:
-                return slab_id, address - slab.address
+                return slot, address - slab.address
         return None
 
-    def finish(self) -> tuple[list[int], list[tuple[int, int]], list[int]]:
-        """End the batch: send new slabs' fds; return (slabs used, [(new id, capacity)],
-        slabs retired since the last batch, which the main process should unmap)."""
-        used = [slab_id for slab_id, _ in self._batch]
+    def finish(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """End the batch: send new slabs' fds; return (slots used, [(new slot, generation,
+        capacity)])."""
+        used = [slot for slot, _ in self._batch]
         nbytes = sum(n for _, n in self._batch)
-        self._expected = max(self._expected, nbytes)
-        self._retire_small()
+        if self._table is not None:
+            self._table.note_batch(nbytes)
         refill_s = _REFILL_S_PER_BYTE * nbytes
-        # a paced loop, or a slow batch (decoding), leaves time to reserve and map slabs again
-        self._spare = (self._config.slab_memory == "lean"
-                       or self.loop_spare_s >= max(IDLE_TRIM_S, 3 * refill_s)
-                       or time.monotonic() - self._began >= 20 * refill_s)
-        if self._spare:
+        # a paced loop leaves time to reserve and map slabs again (a decode-bound one does not:
+        # its next batch claims the slab the loop lets go of)
+        if (self._config.slab_memory == "lean"
+                or self.loop_spare_s >= max(IDLE_TRIM_S, 3 * refill_s)):
             self.trim()
         self._batch = []
         created, self._created = self._created, []
         if created:
-            socket.send_fds(self._fd_sock, [bytes([len(created)])], [fd for _, _, fd in created])
-        retired, self._retired = self._retired, []
-        return used, [(slab_id, capacity) for slab_id, capacity, _ in created], retired
-
-    def _retire_small(self) -> None:
-        """Close free slabs smaller than the largest batch: no batch will start in one again,
-        and kept, they would fill the main process's quota of free slabs, so that it retired
-        the big slabs instead and every batch created a new one."""
-        for slab_id in [i for i in self._free if self._slabs[i].capacity < self._expected]:
-            self._free.remove(slab_id)
-            self._close(self._slabs.pop(slab_id))
-            self._retired.append(slab_id)
+            socket.send_fds(self._fd_sock, [bytes([len(created)])],
+                            [self._slabs[slot].fd for slot in created])
+        return used, [(slot, self._slabs[slot].generation, self._slabs[slot].capacity)
+                      for slot in created]
 
     def _take(self, nbytes: int) -> int:
         # A batch's first region asks for a slab that can hold the largest batch seen so far,
         # so that one slab usually carries the whole batch; a batch outgrowing its slabs asks for
         # as much again as it holds, so it takes a few slabs, not one per tensor: a handful of
         # descriptors to send, never near the 253 Linux passes in one message.
+        self._sync(wait=True)
         held = sum(used for _, used in self._batch)
-        want = max(nbytes, held) if self._batch else max(nbytes, self._expected)
-        fitting = [i for i in self._free if self._slabs[i].capacity >= want]
-        if fitting:
-            best = min(fitting, key=lambda i: self._slabs[i].capacity)
-            self._free.remove(best)
-            slab = self._slabs[best]
-            if slab.punched:  # a full /dev/shm is an error here, not a SIGBUS at the write
-                self._reserve(slab.fd, slab.capacity)
-                slab.punched = False
+        want = max(nbytes, held) if self._batch else max(nbytes, self._table.largest)
+        fitting = sorted((slab.capacity, slot, slab.generation)
+                         for slot, slab in self._slabs.items() if slab.capacity >= want)
+        claimed = self._table.claim([(slot, gen) for _, slot, gen in fitting], self._channel)
+        if claimed:
+            slot, punched = claimed[0]
+            slab = self._slabs[slot]
+            if punched:  # a full /dev/shm is an error here, not a SIGBUS at the write
+                try:
+                    self._reserve(slab.fd, slab.capacity)
+                except BaseException:
+                    self._table.free([(slot, True)])
+                    raise
             if slab.trimmed:  # map it back in one call rather than a fault per page
                 _advise(slab.mm, _MADV_POPULATE_WRITE)
                 slab.trimmed = False
-            return best
+            return slot
         capacity = _round_up(want, _GRANULE)
-        with self._no_space_is_an_error(capacity), \
-                open_files_guard("creating a shared-memory slab in a worker"):
-            fd = self._native.create_slab(self._config.shm_dir, capacity)
+        slot, generation = self._table.new_slot(self._channel)
         try:
-            with open_files_guard("mapping a shared-memory slab in a worker"):
-                mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            with self._no_space_is_an_error(capacity), \
+                    open_files_guard("creating a shared-memory slab in a worker"):
+                fd = self._native.create_slab(self._config.shm_dir, capacity)
+            try:
+                self._slabs[slot] = _map_slab(fd, capacity, generation, True,
+                                              "mapping a shared-memory slab in a worker")
+            except BaseException:
+                os.close(fd)
+                raise
         except BaseException:
-            os.close(fd)
+            self._table.empty([slot])
             raise
-        address = _address(mm)
-        slab_id = self._next_id
-        self._next_id += 1
-        self._slabs[slab_id] = _OwnedSlab(mm, fd, capacity, address)
-        self._created.append((slab_id, capacity, fd))
-        return slab_id
+        self._created.append(slot)
+        return slot
 
     def _reserve(self, fd: int, capacity: int) -> None:
         with self._no_space_is_an_error(capacity):
@@ -290,195 +451,251 @@ class SlabWriter:
                 raise _shm_error(exc, nbytes, self._config.shm_dir) from None
             raise
 
-    @staticmethod
-    def _close(slab: _OwnedSlab) -> None:
-        _close_quietly(slab.mm)
-        os.close(slab.fd)
-
     def close(self) -> None:
         self._created = []
         for slab in self._slabs.values():
-            self._close(slab)
+            _close_slab(slab)
         self._slabs.clear()
+        if self._table is not None:
+            self._table.close()
+            self._table = None
 
 
-class SlabRing:
-    """Main side: maps every worker's slabs and returns them once no tensor views them."""
+class SlabPool:
+    """Main side: owns the pool's table, maps every slab, lends batches' slabs to the loop and
+    puts each back in the pool, for any worker to claim, once no tensor views it."""
 
-    def __init__(self, keep_free_per_worker: int, pin=None, unpin=None, fence=None,
-                 lean: bool = False):
-        """``pin(address, nbytes)`` / ``unpin(address)``, if given, page-lock each mapping once
+    def __init__(self, keep_free: int, pin=None, unpin=None, fence=None, lean: bool = False):
+        """``keep_free``: slabs the pool keeps beyond those the loop holds (more are closed).
+        ``pin(address, nbytes)`` / ``unpin(address)``, if given, page-lock each mapping once
         for its lifetime (CUDA host registration), so batches need no pinned staging copy.
         ``fence()``, if given, marks the point a released slab's copies were queued up to (a
         CUDA event on the releasing thread's stream, with ``query()`` and ``synchronize()``):
-        the slab goes back to its worker only once the fence is passed, so a
-        ``non_blocking`` copy still queued is never overwritten by the next batch.
+        the slab goes back to the pool only once the fence is passed, so a ``non_blocking``
+        copy still queued is never overwritten by the next batch.
         ``lean``: unmap every slab the loop releases, whatever its pace (FASTMM_SLAB_MEMORY)."""
-        self._keep = keep_free_per_worker
+        self._keep = keep_free
         self._lean = lean
         self._pin, self._unpin, self._fence = pin, unpin, fence
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self._held: dict[tuple[int, int], bool] = {}
-        # (slab, its fence or None), released by the loop and not yet given back
-        self._released: collections.deque[tuple[tuple[int, int], object]] = collections.deque()
-        self._mapped_free: set[tuple[int, int]] = set()  # returned slabs this process still maps
-        self._punched: set[tuple[int, int]] = set()  # released, pages given back: tell the worker
-        self._last_lend = self._last_step = time.monotonic()
+        self._table = SlabTable.create(patience_s=TABLE_PATIENCE_S)
+        self._slabs: dict[int, _MappedSlab] = {}  # by slot: every slab of the pool
+        self._known_by: dict[int, set[int]] = {}  # by slot: the channels of workers mapping it
+        self._held: dict[int, bool] = {}  # by slot: lent to the loop (else in the pool)
+        # (slot, its fence or None), released by the loop and not yet back in the pool
+        self._released: collections.deque[tuple[int, object]] = collections.deque()
+        self._mapped_free: set[int] = set()  # slabs back in the pool this process still maps
+        self._punched: set[int] = set()  # released with their pages given back
+        self._socks: dict[int, socket.socket] = {}  # each live worker's fd socket, by channel
+        self._unsent: dict[int, list[bytes]] = {}  # news of slabs gone a full socket refused
+        self._last_lend = time.monotonic()
         self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
-        # how long the loop's last few steps took, waiting for data included: the last one, and
-        # their mean, the pace (batches of several workers come in bursts, each step short)
-        self._steps_s: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
+        self._freed_at: dict[int, float] = {}  # by slot: when it went back to the pool
         self._closed = False
-        self._gone: set[int] = set()  # channels of workers that died (on_worker_failure="respawn")
         _raise_fd_limit()
 
-    def receive(self, channel: int, fd_sock: socket.socket, new: list[tuple[int, int]],
-                worker_id: int) -> None:
-        """Map the slabs a worker just created (their fds wait on ``fd_sock``). ``channel``:
-        the worker's key in this ring (a replacement worker gets a new one), ``worker_id`` for
-        errors."""
+    def connect(self, channel: int, fd_sock: socket.socket) -> None:
+        """A worker joins the pool (``channel``: its number here; a replacement gets a new
+        one): it is sent the table and the free slabs."""
+        self._socks[channel] = fd_sock
+        socket.send_fds(fd_sock, [_NEWS.pack(-1, channel, 0)], [self._table.fd])
+        for slot, held in self._held.items():
+            if not held:
+                self._tell(slot)
+
+    def receive(self, channel: int, new: list[tuple[int, int, int]], worker_id: int) -> None:
+        """Map the slabs a worker just created (their fds wait on its socket): ``new`` is
+        [(slot, generation, capacity)]; ``worker_id`` for errors."""
         doing = f"mapping the slabs of DataLoader worker {worker_id}"
-        _, fds, flags, _ = socket.recv_fds(fd_sock, 1, len(new))
+        _, fds, flags, _ = socket.recv_fds(self._socks[channel], 1, len(new))
+        adopted = 0
         try:
             if flags & socket.MSG_CTRUNC or len(fds) != len(new):  # no room for the kernel's
                 raise _too_many_files(doing)
-            for (slab_id, capacity), fd in zip(new, fds):
+            for (slot, generation, capacity), fd in zip(new, fds):
                 # Unpinned slabs map lazily: pages enter this process when the loop reads them.
-                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._pin is not None else 0)
-                with open_files_guard(doing):  # the mapping keeps a duplicate descriptor
-                    mm = mmap.mmap(fd, capacity, flags=flags)
+                slab = _map_slab(fd, capacity, generation, self._pin is not None, doing)
                 if self._pin is not None:
-                    self._pin(_address(mm), capacity)
-                self._maps[(channel, slab_id)] = mm
-                self._held[(channel, slab_id)] = False
+                    self._pin(slab.address, capacity)
+                self._slabs[slot], self._known_by[slot] = slab, {channel}
+                self._held[slot] = False
+                adopted += 1
         finally:
-            for fd in fds:
+            for fd in fds[adopted:]:
                 os.close(fd)
 
-    def retire(self, channel: int, slab_ids: list[int]) -> None:
-        """Unmap free slabs their worker closed (SlabWriter._retire_small)."""
-        for slab_id in slab_ids:
-            self._held.pop((channel, slab_id), None)
-            self._unmap((channel, slab_id))
-
-    def lend(self, channel: int, slab_ids: list[int]) -> dict[int, memoryview]:
+    def lend(self, slots: list[int]) -> dict[int, memoryview]:
         """Views of a batch's slabs; each slab comes back when its view object is freed.
 
         Consumers must keep the view object itself alive, as ``torch.frombuffer`` does: a slice
         of it, or ``np.frombuffer``, shares the memory without holding the object."""
         self._last_lend = time.monotonic()
         views = {}
-        for slab_id in slab_ids:
-            key = (channel, slab_id)
-            view = memoryview(self._maps[key])
-            self._held[key] = True
-            self._mapped_free.discard(key)
-            weakref.finalize(view, self._on_release, key).atexit = False
-            views[slab_id] = view
+        for slot in slots:
+            view = memoryview(self._slabs[slot].mm)
+            self._held[slot] = True
+            self._mapped_free.discard(slot)
+            weakref.finalize(view, self._on_release, slot).atexit = False
+            views[slot] = view
         return views
 
-    def _on_release(self, key: tuple[int, int]) -> None:
+    def _on_release(self, slot: int) -> None:
         # May run in any thread, whenever the last tensor of a batch is freed.
         fence = self._fence() if self._fence is not None else None
         if self._closed:
             if fence is not None:
                 fence.synchronize()  # its copies are done before the memory is unregistered
-            self._held.pop(key, None)
-            self._unmap(key)
+            self._drop(slot)
         else:
             if self._pin is None:  # as torch frees a batch, at once (page-locked ones stay)
-                if self._spare_for(key, give_back=True):
-                    if _advise(self._maps[key], mmap.MADV_REMOVE):
-                        self._punched.add(key)
-                elif self._spare_for(key):
-                    _advise(self._maps[key], mmap.MADV_DONTNEED)
-            self._released.append((key, fence))
+                mm = self._slabs[slot].mm
+                if self._spare_for(slot, give_back=True):
+                    if _advise(mm, mmap.MADV_REMOVE):
+                        self._punched.add(slot)
+                elif self._spare_for(slot):
+                    _advise(mm, mmap.MADV_DONTNEED)
+            self._released.append((slot, fence))
 
     def step(self) -> None:
         """The loop asks for its next batch: time its step, and what it did since the last one."""
-        now = time.monotonic()
-        self.loop_spare_s = now - self._last_lend
-        self._steps_s.append(now - self._last_step)
-        self._last_step = now
+        self.loop_spare_s = time.monotonic() - self._last_lend
 
-    def _spare_for(self, key: tuple[int, int], give_back: bool = False) -> bool:
-        """Whether the loop's steps leave time to fault this slab back in later (and, to
-        ``give_back`` its pages, for its worker to reserve them again)."""
+    def _spare_for(self, slot: int, give_back: bool = False) -> bool:
+        """Whether the loop's own time (its last step outside next()) leaves time to fault
+        this slab back in later (and, to ``give_back`` its pages, for a worker to reserve them
+        again). Time spent waiting for data does not count: a slab let go of then is claimed
+        by the next batch a worker starts."""
         per_byte = _READ_REMAP_S_PER_BYTE + (_REFILL_S_PER_BYTE if give_back else 0.0)
-        steps = self._steps_s or [0.0]
-        step_s = sum(steps) / len(steps) if give_back else steps[-1]
-        return self._lean or step_s >= max(IDLE_TRIM_S, 5 * per_byte * len(self._maps[key]))
+        return self._lean or \
+            self.loop_spare_s >= max(IDLE_TRIM_S, 5 * per_byte * self._slabs[slot].capacity)
 
     def forget(self, channel: int) -> None:
-        """A worker is gone: unmap its free slabs now and its lent ones when they come back."""
-        self._gone.add(channel)
-        for key in [k for k, held in self._held.items() if k[0] == channel and not held]:
-            del self._held[key]
-            self._unmap(key)
+        """A worker is gone: the slabs it had claimed go back to the pool."""
+        self._socks.pop(channel, None)
+        self._unsent.pop(channel, None)
+        for channels in self._known_by.values():
+            channels.discard(channel)
+        self._table.release_claims(channel, {slot for slot, held in self._held.items()
+                                             if not held})
 
-    def drain(self) -> dict[int, tuple[list[int], list[int], list[int]]]:
-        """Slabs released since the last call, per channel: (to reuse, to destroy, those to
-        reuse whose pages were given back)."""
-        out: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        copying = []
+    def drain(self) -> None:
+        """Put the slabs released since the last call back in the pool (beyond ``keep_free``,
+        or smaller than the largest batch, they are closed instead), and tell every worker of
+        them."""
+        for channel in list(self._unsent):
+            unsent, self._unsent[channel] = self._unsent.pop(channel), []
+            for news in unsent:
+                self._send(channel, news)
+        outgrown = [slot for slot, held in self._held.items()
+                    if not held and self._slabs[slot].capacity < self._table.largest]
+        for slot in self._table.empty(outgrown, only_free=True):
+            self._drop(slot)
+        copying, freed = [], []
         while self._released:
-            key, fence = self._released.popleft()
+            slot, fence = self._released.popleft()
             if fence is not None and not fence.query():  # a copy from it is still queued
-                copying.append((key, fence))
+                copying.append((slot, fence))
                 continue
-            channel, slab_id = key
-            if channel in self._gone:  # nobody to give it back to
-                self._held.pop(key, None)
-                self._unmap(key)
-                continue
-            self._held[key] = False
-            free = sum(1 for k, held in self._held.items() if k[0] == channel and not held)
-            release, destroy, punched = out.setdefault(channel, ([], [], []))
-            if key in self._punched:
-                self._punched.discard(key)
-                punched.append(slab_id)
-            if free > self._keep:
-                destroy.append(slab_id)
-                del self._held[key]
-                self._unmap(key)
+            self._held[slot] = False
+            punched = slot in self._punched
+            self._punched.discard(slot)
+            pooled = sum(1 for held in self._held.values() if not held)
+            if pooled > self._keep or self._slabs[slot].capacity < self._table.largest:
+                self._table.empty([slot])
+                self._drop(slot)
             else:
-                release.append(slab_id)
+                freed.append((slot, punched))
                 if self._pin is None:  # page-locked slabs stay mapped for their lifetime
-                    self._mapped_free.add(key)
+                    self._mapped_free.add(slot)
         self._released.extend(copying)
-        for key in [k for k in self._mapped_free if self._spare_for(k)]:  # unmap what came back
-            _advise(self._maps[key], mmap.MADV_DONTNEED)
-            self._mapped_free.discard(key)
-        return out
+        if freed:
+            self._table.free(freed)
+            now = time.monotonic()
+            for slot, _ in freed:
+                self._freed_at[slot] = now
+                self._tell(slot)
+        self._give_back_idle()
+        for slot in [s for s in self._mapped_free if self._spare_for(s)]:  # unmap what came back
+            _advise(self._slabs[slot].mm, mmap.MADV_DONTNEED)
+            self._mapped_free.discard(slot)
+
+    def _give_back_idle(self) -> None:
+        """Free slabs no worker claimed for IDLE_FREE_S are more than the loop needs now (the
+        pool grew for a burst): their pages go back to the system."""
+        now = time.monotonic()
+        idle = [(slot, self._slabs[slot].generation) for slot, at in self._freed_at.items()
+                if now - at >= IDLE_FREE_S and not self._held.get(slot, True)]
+        if not idle:
+            return
+        for slot, _ in idle:
+            del self._freed_at[slot]
+        taken = self._table.claim(idle, -1, unpunched=True, first=False)
+        self._table.free([(slot, _advise(self._slabs[slot].mm, mmap.MADV_REMOVE))
+                          for slot, _ in taken])
+
+    def _tell(self, slot: int) -> None:
+        """Send a free slab to every worker that does not map it yet."""
+        slab, knowing = self._slabs[slot], self._known_by[slot]
+        news = _NEWS.pack(slot, slab.generation, slab.capacity)
+        for channel in self._socks:
+            if channel not in knowing and self._send(channel, news, [slab.fd]):
+                knowing.add(channel)
+
+    def _send(self, channel: int, news: bytes, fds: list[int] = ()) -> bool:
+        """Send news without waiting; news of a slab gone that the socket has no room for is
+        sent again at the next drain."""
+        try:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            self._socks[channel].sendmsg([news], ancillary, socket.MSG_DONTWAIT)
+            return True
+        except BlockingIOError:
+            if not fds:
+                self._unsent.setdefault(channel, []).append(news)
+            return False
+        except OSError:  # its worker is gone: forget() follows
+            return False
+
+    def _drop(self, slot: int) -> None:
+        """Close a slab whose slot is empty (or, after close, not in the table any more)."""
+        slab = self._slabs.pop(slot, None)
+        self._held.pop(slot, None)
+        self._mapped_free.discard(slot)
+        self._freed_at.pop(slot, None)
+        if slab is None:
+            return
+        for channel in self._known_by.pop(slot, ()):
+            if channel in self._socks:
+                self._send(channel, _NEWS.pack(slot, slab.generation, 0))
+        if self._unpin is not None:
+            self._unpin(slab.address)
+        _close_slab(slab)
 
     @property
     def nbytes(self) -> int:
         """Shared memory mapped by the main process (the ``shm_bytes`` metric)."""
-        return sum(len(mm) for mm in self._maps.values())
+        return sum(slab.capacity for slab in self._slabs.values())
+
+    def mappings(self) -> list[mmap.mmap]:
+        """This process's mapping of each slab of the pool."""
+        return [slab.mm for slab in self._slabs.values()]
 
     def close(self) -> None:
         """Drop every mapping no tensor views; held ones go when their tensors do."""
         self._closed = True
+        self._socks.clear()  # the workers are ending: no more news
         while self._released:
-            key, fence = self._released.popleft()
+            slot, fence = self._released.popleft()
             if fence is not None:
                 fence.synchronize()  # its copies are done before the memory is unregistered
-            self._held[key] = False
-        for key in [k for k, held in self._held.items() if not held]:
-            del self._held[key]
-            self._unmap(key)
-
-    def _unmap(self, key: tuple[int, int]) -> None:
-        self._mapped_free.discard(key)
-        mm = self._maps.pop(key, None)
-        if mm is not None:
-            if self._unpin is not None:
-                self._unpin(_address(mm))
-            _close_quietly(mm)
+            self._held[slot] = False
+        for slot in [s for s, held in self._held.items() if not held]:
+            self._drop(slot)
+        if self._table is not None:
+            self._table.close()
+            self._table = None
 
 
 def cuda_page_locking() -> dict:
-    """SlabRing's ``pin``, ``unpin`` and ``fence`` for pin_memory=True on CUDA: each slab is
+    """SlabPool's ``pin``, ``unpin`` and ``fence`` for pin_memory=True on CUDA: each slab is
     page-locked once for its lifetime (cudaHostRegister), so batches need no pinned copy."""
     cudart = torch.cuda.cudart()
 
@@ -516,6 +733,16 @@ def _advise(mm: mmap.mmap, advice: int) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def _recv_fds(sock: socket.socket, nbytes: int, maxfds: int, flags: int):
+    """socket.recv_fds, with ``flags`` honoured (Python 3.11's drops them)."""
+    data, ancillary, _, _ = sock.recvmsg(nbytes, socket.CMSG_LEN(maxfds * 4), flags)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
 
 
 def _close_quietly(mm: mmap.mmap) -> None:
