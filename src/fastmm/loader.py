@@ -296,6 +296,20 @@ class _Task:
         return self.data is _PENDING
 
 
+@dataclasses.dataclass
+class _WorkerRecord:
+    """What the iterator keeps of one worker from its last batch received: where a replacement
+    starts from (resume.py), and its part of the epoch so far. (Its scheduling state keeps
+    torch's names: ``_workers_status``, ``_workers_num_tasks``.)"""
+
+    rng: object = None  # its RNG states after that batch
+    stream: object = None  # its IterableDataset's stream state then (a respawn goes on from it)
+    end_stream: object = None  # its stream state as its epoch ran out
+    counts: object = None  # its row of the dataset's skip counts then (hooks.py)
+    epoch_counts: object = None  # that row as the epoch began
+    received: int = 0  # batches received from it this epoch
+
+
 class _Replacing:
     """Part of the multi-process iterator: a worker started, or started again in the place of
     one that died (on_worker_failure="respawn") or was stuck past the decode deadline, from
@@ -304,7 +318,7 @@ class _Replacing:
 
     def _start_worker(self, worker_id: int, restore: tuple) -> None:
         if self._counters is not None:  # its row as it starts
-            self._last_counts[worker_id] = self._counters.row(worker_id)
+            self._records[worker_id].counts = self._counters.row(worker_id)
         self._pool.start(worker_id, restore, self._shared_seed)
 
     def _replace_worker(self, worker_id: int, fault: bool = True) -> None:
@@ -325,14 +339,14 @@ class _Replacing:
                 )
         self._replacements += 1
         self._pool.end(worker_id)
-        stream = resume.usable(self._last_stream[worker_id])
-        skip = 0 if stream is not None else self._samples_in(self._received[worker_id])
+        record = self._records[worker_id]
+        stream = resume.usable(record.stream)
+        skip = 0 if stream is not None else self._samples_in(record.received)
         if self._counters is not None and self._num_workers < self._counters.ROWS:
             # what it counted in tasks whose batches were lost, the replacement counts again;
             # pulling and dropping, it counts again what it met before them as well
-            self._counters.set_row(worker_id, (self._epoch_counts if skip else
-                                               self._last_counts)[worker_id])
-        self._start_worker(worker_id, (self._last_rng[worker_id], skip, stream))
+            self._counters.set_row(worker_id, record.epoch_counts if skip else record.counts)
+        self._start_worker(worker_id, (record.rng, skip, stream))
         self._awaiting_resume.discard(worker_id)
         for i in lost:
             self._index_queues[worker_id].put(("task", i, self._tasks[i].index, 0.0))
@@ -449,18 +463,19 @@ class _Receiving:
         if result[0] == "resumed":
             return "resumed", worker_id
         idx = result.send_idx
-        self._received[worker_id] += 1
+        record = self._records[worker_id]
+        record.received += 1
         if result.counts is not None:
-            self._last_counts[worker_id] = result.counts
+            record.counts = result.counts
         task = self._tasks.get(idx) or _Task(worker_id, None, None)  # (none: ended, dropped)
         if self._counters is not None:
-            task.counts = self._last_counts[worker_id]
+            task.counts = record.counts
         if result.rng is not None:
-            task.rng = self._last_rng[worker_id] = result.rng
+            task.rng = record.rng = result.rng
         if result.stream is not None and result.status == "end":
-            self._end_stream[worker_id] = self._last_stream[worker_id] = result.stream
+            record.end_stream = record.stream = result.stream
         elif result.stream is not None:
-            task.stream = self._last_stream[worker_id] = result.stream
+            task.stream = record.stream = result.stream
         channel = self._channels[worker_id]
         if result.new:
             self._slab_pool.receive(channel, result.new, worker_id)
@@ -545,15 +560,14 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
         self._workers, self._index_queues = self._pool.processes, self._pool.index_queues
         self._result_conns = self._pool.result_conns
         self._channels = self._pool.channels  # the slab pool's key for each (_pool.py)
-        self._last_rng = [None] * self._num_workers  # each worker's, after its last batch received
-        self._end_stream = [None] * self._num_workers  # its stream state as its epoch ran out
+        self._records = [_WorkerRecord() for _ in range(self._num_workers)]
         self._counters = hooks.skip_counts(self._dataset)
-        self._last_counts = [None] * self._num_workers  # its row of them, after that batch
         for worker_id in range(self._num_workers):
             self._start_worker(worker_id, self._worker_resume(worker_id, restore))
-        if restore is not None and restore.base_seed is not None:
-            self._last_rng = list(restore.worker_rng)
-        self._last_stream = list(self._progress.worker_streams)
+        for worker_id, record in enumerate(self._records):
+            if restore is not None and restore.base_seed is not None:
+                record.rng = restore.worker_rng[worker_id]
+            record.stream = self._progress.worker_streams[worker_id]
         if not (self._respawn or self._watches):  # else deaths are this iterator's, not torch's
             torch_utils.signal_handling._set_worker_pids(
                 id(self), tuple(w.pid for w in self._workers))
@@ -571,15 +585,16 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
             first_worker = self._progress.first_worker(self._dataset_kind == _DatasetKind.Iterable)
         else:
             self._progress.next_epoch()
-            self._last_stream = list(self._progress.worker_streams)  # a respawn starts there
-            self._end_stream = [None] * self._num_workers
+            for record, stream in zip(self._records, self._progress.worker_streams):
+                record.stream, record.end_stream = stream, None  # a respawn starts there
             loader.__dict__["_fastmm_progress"] = self._progress
             self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
         self._send_idx = 0  # next task to send
         self._rcvd_idx = 0  # next task to return
         self._tasks: dict[int, _Task] = {}  # idx -> each task sent and not yet handed out
         # batches received from each worker this epoch (a restored one had skipped its own)
-        self._received = list(self._progress.worker_batches) if first_iter else [0] * self._num_workers
+        for record, batches in zip(self._records, self._progress.worker_batches):
+            record.received = batches if first_iter else 0
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -597,8 +612,9 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
                 idx, worker_id = self._get_data()
                 if idx == "resumed":
                     self._awaiting_resume.discard(worker_id)
-        self._epoch_counts = list(self._last_counts)  # each worker's skip counts as it begins
-        self._progress.worker_counts = list(self._epoch_counts)
+        for record in self._records:
+            record.epoch_counts = record.counts  # its skip counts as the epoch begins
+        self._progress.worker_counts = [record.counts for record in self._records]
         self._note_epoch_start()
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
@@ -621,7 +637,8 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
                     del self._tasks[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
-                self._progress.worker_streams = list(self._end_stream)  # for the next epoch
+                # for the next epoch
+                self._progress.worker_streams = [record.end_stream for record in self._records]
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
