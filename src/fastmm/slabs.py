@@ -4,9 +4,9 @@ Workers write batches into slabs of one pool that all of them share; the main pr
 slab once and wraps regions of it as tensors without copying. A slab is lent to one batch at a
 time and goes back to the pool when the last tensor viewing it is freed; the next worker to
 start a batch claims it, whichever worker wrote it before. So the pool holds about the batches
-in flight, as torch does (per-worker rings each kept a free slab waiting for their own next
-batch), and users may keep batches as long as they like: the pool grows when all slabs are
-held and shrinks back when they are released.
+in flight, as torch does (a ring per worker would keep a free slab waiting for that worker's
+next batch), and users may keep batches as long as they like: the pool grows when all slabs
+are held and shrinks back when they are released.
 
 Who may write which slab is in a small shared table (SlabTable): each slab's slot is empty,
 taken or free, changed under a POSIX record lock that the kernel drops if its holder dies. A
