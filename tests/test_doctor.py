@@ -1,6 +1,6 @@
 """Pre-flight checks: the loader's warnings at start (large Python containers in the dataset,
 CUDA before fork) and once its first batch shows the size (shared memory too small for its
-rings), and the ``fastmm-doctor`` command."""
+slab pool), and the ``fastmm-doctor`` command."""
 
 from __future__ import annotations
 

@@ -167,13 +167,13 @@ def writer(transport):
     """A real slab writer in this process, as collation finds it in a worker."""
     worker_sock, main_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     writer = SlabWriter(worker_sock, TransportConfig(pure_python=transport == "pure"))
-    ring = SlabPool(keep_free=1)
-    ring.connect(0, main_sock)
+    pool = SlabPool(keep_free=1)
+    pool.connect(0, main_sock)
     collate.set_writer(writer)
     writer.begin()
     yield writer
     collate.set_writer(None)
-    ring.close()
+    pool.close()
     writer.close()
     worker_sock.close()
     main_sock.close()

@@ -1,4 +1,4 @@
-"""The slab ring end to end: reuse, growth and shrink, nothing leaked, a full /dev/shm."""
+"""The slab pool end to end: reuse, growth and shrink, nothing leaked, a full /dev/shm."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def test_ring_reuses_slabs_in_steady_state(transport, monkeypatch):
+def test_the_pool_reuses_slabs_in_steady_state(transport, monkeypatch):
     with private_tmpfs("256m") as shm:
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         loader = fastmm.DataLoader(Frames(400), batch_size=8, num_workers=2)
@@ -170,7 +170,7 @@ def test_read_only_numpy_batches_travel_in_slabs_as_pickle_gives_them(transport,
     assert k == 3
 
 
-def test_kept_batches_grow_the_ring_and_stay_intact(transport, monkeypatch):
+def test_kept_batches_grow_the_pool_and_stay_intact(transport, monkeypatch):
     with private_tmpfs("512m") as shm:
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         loader = fastmm.DataLoader(
@@ -371,7 +371,7 @@ _FEW_FILES = textwrap.dedent(
     kept = []
     try:
         for batch in fastmm.DataLoader(Images(), batch_size=2, num_workers=workers):
-            kept.append(batch)  # every batch kept: the ring grows a slab per batch
+            kept.append(batch)  # every batch kept: the pool grows a slab per batch
     except RuntimeError as e:
         print(str(e).replace(chr(10), " "))
     else:
@@ -432,10 +432,10 @@ class Big(Dataset):
 @pytest.mark.slow
 def test_slow_loop_maps_only_the_batch_in_hand(transport):
     """A loop slower than its workers: what is waiting or free is mapped by no process, so the
-    slabs' PSS over main and workers is about the batch being read, not the whole ring."""
+    slabs' PSS over main and workers is about the batch being read, not the whole pool."""
     batch_bytes = 2 * 4 * 1024 * 1024
     it = iter(fastmm.DataLoader(Big(), batch_size=2, num_workers=2))
-    peaks, ring = [], 0
+    peaks, pooled = [], 0
     for k, batch in enumerate(it):
         assert int(batch[0, 0, 0, 0]) == 2 * k
         batch.sum()  # the loop reads the whole batch
@@ -444,8 +444,8 @@ def test_slow_loop_maps_only_the_batch_in_hand(transport):
             ours = {_address(mm) for mm in it._slab_pool.mappings()}  # not other tests' slabs
             peaks.append(_slab_pss(os.getpid(), ours)
                          + sum(_slab_pss(w.pid) for w in it._workers))
-            ring = max(ring, len(ours))
-    assert ring >= 4  # the ring itself holds more than two batches ...
+            pooled = max(pooled, len(ours))
+    assert pooled >= 4  # the pool itself holds more than two batches ...
     assert max(peaks) <= 2 * batch_bytes  # ... but only about one is mapped
 
 
@@ -453,7 +453,7 @@ def test_slow_loop_maps_only_the_batch_in_hand(transport):
 def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(transport, monkeypatch):
     """FASTMM_SLAB_MEMORY=lean: with a loop as fast as it can go, the batches queued for it are
     mapped by no process; only the batch being read and those being written count. (By default
-    the whole ring stays mapped at full speed: measured here ~10 batches of the same loop.)"""
+    the whole pool stays mapped at full speed: measured here ~10 batches of the same loop.)"""
     monkeypatch.setenv("FASTMM_SLAB_MEMORY", "lean")
     batch_bytes = 2 * 4 * 1024 * 1024
 
@@ -462,7 +462,7 @@ def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(transport, monkeyp
             return 600
 
     it = iter(fastmm.DataLoader(Long(), batch_size=2, num_workers=2, prefetch_factor=4))
-    peaks, ring = [], 0
+    peaks, pooled = [], 0
     for k, batch in enumerate(it):
         assert int(batch[0, 0, 0, 0]) == (2 * k) % 251
         batch.view(torch.int64).sum()  # reads every byte, fast: the loop runs flat out
@@ -470,8 +470,8 @@ def test_lean_slab_memory_maps_no_waiting_batch_at_full_speed(transport, monkeyp
             ours = {_address(mm) for mm in it._slab_pool.mappings()}
             peaks.append(_slab_pss(os.getpid(), ours)
                          + sum(_slab_pss(w.pid) for w in it._workers))
-            ring = max(ring, len(ours))
-    assert ring >= 5  # up to eight batches are in flight ...
+            pooled = max(pooled, len(ours))
+    assert pooled >= 5  # up to eight batches are in flight ...
     assert max(peaks) <= 3 * batch_bytes  # ... but one is read and at most two are written
 
 
@@ -496,23 +496,23 @@ def test_free_slabs_give_their_memory_back_while_batches_are_slow(transport, mon
         monkeypatch.setenv("FASTMM_SHM_DIR", shm)
         idle = used_bytes(shm)
         it = iter(fastmm.DataLoader(SlowBig(), batch_size=1, num_workers=2))
-        used, ring = [], []
+        used, pooled = [], []
         for k in range(12):
             assert int(next(it)[0, 0, 0, 0]) == k  # (each batch dropped at once)
             if k >= 4:
                 used.append(used_bytes(shm) - idle)
-                ring.append(sum(len(mm) for mm in it._slab_pool.mappings()))
+                pooled.append(sum(len(mm) for mm in it._slab_pool.mappings()))
         # one pool for both workers: a slab the loop lets go of is the next one written, so
         # the pool holds the batches in flight (here one or two), not a ring per worker
-        assert sorted(ring)[len(ring) // 2] <= 2 * batch_bytes  # median
-        assert max(used) <= max(ring)
-        kept = [next(it) for _ in range(6)]  # the ring grows for batches kept ...
+        assert sorted(pooled)[len(pooled) // 2] <= 2 * batch_bytes  # median
+        assert max(used) <= max(pooled)
+        kept = [next(it) for _ in range(6)]  # the pool grows for batches kept ...
         del kept
         assert int(next(it)[0, 0, 0, 0]) == 18  # ... whose slabs this call gives back
         time.sleep(2.0)  # the loop stops: the workers make the batches asked of them, then idle
-        ring = sum(len(mm) for mm in it._slab_pool.mappings())
+        pooled = sum(len(mm) for mm in it._slab_pool.mappings())
         # in flight: num_workers x prefetch_factor batches made, and the one just dropped
-        assert used_bytes(shm) - idle <= (2 * 2 + 1) * batch_bytes < ring
+        assert used_bytes(shm) - idle <= (2 * 2 + 1) * batch_bytes < pooled
         for k in range(19, 24):
             assert int(next(it)[0, 0, 0, 0]) == k
         del it

@@ -21,27 +21,27 @@ def pair(transport):
     worker_sock, main_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     writer = SlabWriter(worker_sock, TransportConfig(pure_python=transport == "pure"))
     pinned: dict[int, int] = {}
-    ring = SlabPool(
+    pool = SlabPool(
         keep_free=1,
         pin=lambda address, nbytes: pinned.__setitem__(address, nbytes),
         unpin=lambda address: pinned.pop(address),
     )
-    ring.connect(0, main_sock)
-    yield writer, ring, main_sock, pinned
-    ring.close()
+    pool.connect(0, main_sock)
+    yield writer, pool, main_sock, pinned
+    pool.close()
     writer.close()
     worker_sock.close()
     main_sock.close()
 
 
-def _write_batch(writer, ring, sock, payload: bytes, channel: int = 0):
+def _write_batch(writer, pool, payload: bytes, channel: int = 0):
     writer.begin()
     slab_id, offset, region = writer.alloc(len(payload))
     writer.gather(region, 0, [payload], len(payload))
     used, new = writer.finish()
     if new:
-        ring.receive(channel, new, worker_id=channel)
-    views = ring.lend(used)
+        pool.receive(channel, new, worker_id=channel)
+    views = pool.lend(used)
     # The consumer must hold the lent view object itself, as torch.frombuffer does (a memoryview
     # slice or np.frombuffer shares the buffer without keeping the view object alive).
     region = torch.frombuffer(views[slab_id], dtype=torch.uint8, count=len(payload), offset=offset)
@@ -49,41 +49,31 @@ def _write_batch(writer, ring, sock, payload: bytes, channel: int = 0):
 
 
 def test_lent_views_see_the_workers_bytes_and_come_back(pair):
-    writer, ring, sock, pinned = pair
-    first, first_id = _write_batch(writer, ring, sock, b"a" * 100_000)
+    writer, pool, sock, pinned = pair
+    first, first_id = _write_batch(writer, pool, b"a" * 100_000)
     assert bytes(first) == b"a" * 100_000
-    assert list(pinned.values()) == [ring.nbytes]  # mapped once, pinned once
-    ring.drain()
-    assert ring._held[first_id]  # still viewed
+    assert list(pinned.values()) == [pool.nbytes]  # mapped once, pinned once
+    pool.drain()
+    assert pool._held[first_id]  # still viewed
     del first
     gc.collect()
-    ring.drain()
-    assert not ring._held[first_id]  # back in the pool
-    again, again_id = _write_batch(writer, ring, sock, b"b" * 100_000)
+    pool.drain()
+    assert not pool._held[first_id]  # back in the pool
+    again, again_id = _write_batch(writer, pool, b"b" * 100_000)
     assert again_id == first_id and bytes(again) == b"b" * 100_000  # reused
 
 
-def test_a_slab_released_goes_to_whichever_worker_starts_next(transport):
-    """One pool for all workers: a slab one worker wrote, once the loop lets go of it, is the
-    one the other worker's next batch is written into (no new slab, no second copy held)."""
+@pytest.fixture
+def two_workers(transport):
+    """A pool and the slab writers of two workers (channels 0 and 1), in this process."""
     config = TransportConfig(pure_python=transport == "pure")
-    ring = SlabPool(keep_free=4)
+    pool = SlabPool(keep_free=4)
     socks = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
     writers = [SlabWriter(worker_sock, config) for worker_sock, _ in socks]
     for channel, (_, main_sock) in enumerate(socks):
-        ring.connect(channel, main_sock)
-    first, first_id = _write_batch(writers[0], ring, None, b"a" * 50_000, channel=0)
-    del first
-    gc.collect()
-    ring.drain()
-    second, second_id = _write_batch(writers[1], ring, None, b"b" * 50_000, channel=1)
-    assert second_id == first_id and len(ring._slabs) == 1
-    assert bytes(second) == b"b" * 50_000
-    third, third_id = _write_batch(writers[0], ring, None, b"c" * 50_000, channel=0)
-    assert third_id != first_id and len(ring._slabs) == 2  # the first is held: a new one
-    assert bytes(second) == b"b" * 50_000 and bytes(third) == b"c" * 50_000
-    del second, third
-    ring.close()
+        pool.connect(channel, main_sock)
+    yield pool, writers
+    pool.close()
     for writer in writers:
         writer.close()
     for pair in socks:
@@ -91,55 +81,61 @@ def test_a_slab_released_goes_to_whichever_worker_starts_next(transport):
             sock.close()
 
 
-def test_a_dead_workers_claims_go_back_to_the_pool(transport):
+def test_a_slab_released_goes_to_whichever_worker_starts_next(two_workers):
+    """One pool for all workers: a slab one worker wrote, once the loop lets go of it, is the
+    one the other worker's next batch is written into (no new slab, no second copy held)."""
+    pool, writers = two_workers
+    first, first_id = _write_batch(writers[0], pool, b"a" * 50_000, channel=0)
+    del first
+    gc.collect()
+    pool.drain()
+    second, second_id = _write_batch(writers[1], pool, b"b" * 50_000, channel=1)
+    assert second_id == first_id and len(pool._slabs) == 1
+    assert bytes(second) == b"b" * 50_000
+    third, third_id = _write_batch(writers[0], pool, b"c" * 50_000, channel=0)
+    assert third_id != first_id and len(pool._slabs) == 2  # the first is held: a new one
+    assert bytes(second) == b"b" * 50_000 and bytes(third) == b"c" * 50_000
+    del second, third
+
+
+def test_a_dead_workers_claims_go_back_to_the_pool(two_workers):
     """A worker that dies mid-batch leaves its slab taken in the table; forgetting its channel
     frees it for the others (and a slab it created but never sent is simply gone)."""
-    config = TransportConfig(pure_python=transport == "pure")
-    ring = SlabPool(keep_free=4)
-    socks = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
-    writers = [SlabWriter(worker_sock, config) for worker_sock, _ in socks]
-    for channel, (_, main_sock) in enumerate(socks):
-        ring.connect(channel, main_sock)
-    batch, slab_id = _write_batch(writers[0], ring, None, b"a" * 50_000, channel=0)
+    pool, writers = two_workers
+    batch, slab_id = _write_batch(writers[0], pool, b"a" * 50_000, channel=0)
     del batch
     gc.collect()
-    ring.drain()
+    pool.drain()
     writers[1].begin()
     assert writers[1].alloc(50_000)[0] == slab_id  # claimed, then its worker "dies"
     writers[1].begin()
     unsent = writers[1].alloc(60_000)[0]  # created, never sent
-    ring.forget(1)
-    batch, again = _write_batch(writers[0], ring, None, b"z" * 50_000, channel=0)
+    pool.forget(1)
+    batch, again = _write_batch(writers[0], pool, b"z" * 50_000, channel=0)
     assert again == slab_id and bytes(batch) == b"z" * 50_000
-    assert ring._table._state[unsent] == 0  # its slot is empty again
+    assert pool._table._state[unsent] == 0  # its slot is empty again
     del batch
-    ring.close()
-    for writer in writers:
-        writer.close()
-    for pair in socks:
-        for sock in pair:
-            sock.close()
 
 
 def test_surplus_free_slabs_are_retired_and_unpinned(pair):
-    writer, ring, sock, pinned = pair
-    views = [_write_batch(writer, ring, sock, bytes([i]) * 70_000) for i in range(3)]
+    writer, pool, sock, pinned = pair
+    views = [_write_batch(writer, pool, bytes([i]) * 70_000) for i in range(3)]
     ids = [slab_id for _, slab_id in views]
-    assert len(set(ids)) == 3 and len(pinned) == 3  # every batch still held: the ring grew
+    assert len(set(ids)) == 3 and len(pinned) == 3  # every batch still held: the pool grew
     for i, (view, _) in enumerate(views):
         assert bytes(view) == bytes([i]) * 70_000
     del views, view
     gc.collect()
-    ring.drain()
-    assert len(ring._slabs) == 1  # keep one free slab, retire the rest
+    pool.drain()
+    assert len(pool._slabs) == 1  # keep one free slab, retire the rest
     assert len(pinned) == 1
-    kept = next(iter(ring._slabs))
-    again, slab_id = _write_batch(writer, ring, sock, b"z" * 50_000)
+    kept = next(iter(pool._slabs))
+    again, slab_id = _write_batch(writer, pool, b"z" * 50_000)
     assert slab_id == kept and len(writer._slabs) == 1  # reused, not created; the worker
     # unmapped the slabs retired
     assert bytes(again) == b"z" * 50_000
     del again
-    ring.close()
+    pool.close()
     assert pinned == {}  # nothing stays page-locked after close
 
 
@@ -147,30 +143,30 @@ def test_surplus_free_slabs_are_retired_and_unpinned(pair):
 def test_slabs_too_small_for_grown_batches_are_retired_not_kept(pair):
     """Once batches outgrow a free slab, no batch starts in it again: it goes (and is unpinned),
     so that the free slabs kept are ones the next batches can use."""
-    writer, ring, sock, pinned = pair
-    small, slot = _write_batch(writer, ring, sock, b"s" * 10_000)
-    small_slab = (slot, ring._slabs[slot].generation)  # (a slot is used again by new slabs)
+    writer, pool, sock, pinned = pair
+    small, slot = _write_batch(writer, pool, b"s" * 10_000)
+    small_slab = (slot, pool._slabs[slot].generation)  # (a slot is used again by new slabs)
     del small
     gc.collect()
-    ring.drain()
+    pool.drain()
     slabs = set()
     for i in range(6):
-        big, slot = _write_batch(writer, ring, sock, bytes([i]) * 100_000)
+        big, slot = _write_batch(writer, pool, bytes([i]) * 100_000)
         assert bytes(big) == bytes([i]) * 100_000
-        slabs.add((slot, ring._slabs[slot].generation))
+        slabs.add((slot, pool._slabs[slot].generation))
         del big
         gc.collect()
-        ring.drain()
+        pool.drain()
     assert small_slab not in slabs and len(slabs) == 1  # one big slab, reused by every batch
-    assert len(ring._slabs) == 1 and len(pinned) == 1
-    ring.close()
+    assert len(pool._slabs) == 1 and len(pinned) == 1
+    pool.close()
     assert pinned == {}
 
 
 def test_close_keeps_held_views_valid_until_they_go(pair):
-    writer, ring, sock, pinned = pair
-    view, _ = _write_batch(writer, ring, sock, b"q" * 20_000)
-    ring.close()
+    writer, pool, sock, pinned = pair
+    view, _ = _write_batch(writer, pool, b"q" * 20_000)
+    pool.close()
     assert bytes(view) == b"q" * 20_000
     assert len(pinned) == 1
     tail = view[10:]
@@ -202,21 +198,21 @@ def test_a_slab_goes_back_only_once_its_copies_are_done(pair):
     not hand its slab to the worker, which would overwrite the bytes being copied."""
     writer, _, sock, pinned = pair
     fences = []
-    ring = SlabPool(keep_free=1, pin=lambda a, n: None, unpin=lambda a: None,
+    pool = SlabPool(keep_free=1, pin=lambda a, n: None, unpin=lambda a: None,
                     fence=lambda: fences.append(Fence()) or fences[-1])
-    ring.connect(0, sock)
-    view, slab_id = _write_batch(writer, ring, sock, b"c" * 30_000)
+    pool.connect(0, sock)
+    view, slab_id = _write_batch(writer, pool, b"c" * 30_000)
     del view
     gc.collect()
-    ring.drain()
-    assert len(fences) == 1 and ring._held[slab_id]  # its copy is still queued: kept
+    pool.drain()
+    assert len(fences) == 1 and pool._held[slab_id]  # its copy is still queued: kept
     fences[0].passed = True
-    ring.drain()
-    assert not ring._held[slab_id]
-    view, _ = _write_batch(writer, ring, sock, b"d" * 30_000)
+    pool.drain()
+    assert not pool._held[slab_id]
+    view, _ = _write_batch(writer, pool, b"d" * 30_000)
     del view
     gc.collect()
-    ring.close()  # waits for the fence before unregistering the memory
+    pool.close()  # waits for the fence before unregistering the memory
     assert fences[1].passed
 
 
