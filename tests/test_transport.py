@@ -503,8 +503,9 @@ def test_free_slabs_give_their_memory_back_while_batches_are_slow(transport, mon
                 used.append(used_bytes(shm) - idle)
                 pooled.append(sum(len(mm) for mm in it._slab_pool.mappings()))
         # one pool for both workers: a slab the loop lets go of is the next one written, so
-        # the pool holds the batches in flight (here one or two), not a ring per worker
-        assert sorted(pooled)[len(pooled) // 2] <= 2 * batch_bytes  # median
+        # the pool holds the batches in flight (one per worker writing, the one the loop just
+        # dropped, one waiting at most), not prefetch_factor + 1 free slabs per worker
+        assert sorted(pooled)[len(pooled) // 2] <= 4 * batch_bytes  # median
         assert max(used) <= max(pooled)
         kept = [next(it) for _ in range(6)]  # the pool grows for batches kept ...
         del kept
