@@ -538,8 +538,8 @@ class _SlabDataLoaderIter(_Receiving, _Replacing, _ResumableIter,
         # pool per worker, plus one, means a steady loop never creates or closes a slab.
         locking = self._pin_memory and self._pin_memory_device == "cuda"
         self._slab_pool = SlabPool(self._num_workers * (self._prefetch_factor + 1),
-                              lean=transport.slab_memory == "lean",
-                              **(cuda_page_locking() if locking else {}))
+                                   lean=transport.slab_memory == "lean",
+                                   **(cuda_page_locking() if locking else {}))
         self._transport = transport
         self._respawn = loader.on_worker_failure == "respawn"
         # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)

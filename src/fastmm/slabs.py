@@ -317,7 +317,7 @@ class SlabWriter:
         while True:
             flags = 0 if wait and self._table is None else socket.MSG_DONTWAIT
             try:
-                data, fds = _recv_fds(self._fd_sock, _NEWS.size, 1, flags)
+                data, fds, _ = _recv_fds(self._fd_sock, _NEWS.size, 1, flags)
             except BlockingIOError:
                 return
             if not data:  # the main process closed its end: nothing more will come
@@ -506,7 +506,7 @@ class SlabPool:
         """Map the slabs a worker just created (their fds wait on its socket): ``new`` is
         [(slot, generation, capacity)]; ``worker_id`` for errors."""
         doing = f"mapping the slabs of DataLoader worker {worker_id}"
-        _, fds, flags, _ = socket.recv_fds(self._socks[channel], 1, len(new))
+        _, fds, flags = _recv_fds(self._socks[channel], 1, len(new))
         adopted = 0
         try:
             if flags & socket.MSG_CTRUNC or len(fds) != len(new):  # no room for the kernel's
@@ -644,8 +644,8 @@ class SlabPool:
         """Send news without waiting; news of a slab gone that the socket has no room for is
         sent again at the next drain."""
         try:
-            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-            self._socks[channel].sendmsg([news], ancillary, socket.MSG_DONTWAIT)
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            self._socks[channel].sendmsg([news], rights, socket.MSG_DONTWAIT)
             return True
         except BlockingIOError:
             if not fds:
@@ -735,14 +735,15 @@ def _advise(mm: mmap.mmap, advice: int) -> bool:
     return True
 
 
-def _recv_fds(sock: socket.socket, nbytes: int, maxfds: int, flags: int):
-    """socket.recv_fds, with ``flags`` honoured (Python 3.11's drops them)."""
-    data, ancillary, _, _ = sock.recvmsg(nbytes, socket.CMSG_LEN(maxfds * 4), flags)
+def _recv_fds(sock: socket.socket, nbytes: int, maxfds: int, flags: int = 0):
+    """socket.recv_fds, with ``flags`` honoured (Python 3.11's drops them): (data, fds,
+    the message's flags)."""
+    data, ancillary, msg_flags, _ = sock.recvmsg(nbytes, socket.CMSG_LEN(maxfds * 4), flags)
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds)
+    return data, list(fds), msg_flags
 
 
 def _close_quietly(mm: mmap.mmap) -> None:
