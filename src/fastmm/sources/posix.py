@@ -19,6 +19,7 @@ from .base import (
     split_name,
     unsafe_name,
 )
+from .s3 import S3Store, is_s3
 
 
 class PosixSource(Source):
@@ -29,6 +30,9 @@ class PosixSource(Source):
     ignored (they are lock, temp and index files); keys are sorted. Manifest (``root`` is a
     file): one JSON object per line, ``{"key": ..., "members": {"jpg": "rel/path.jpg", ...}}``,
     paths relative to the manifest's directory; samples keep the manifest's order.
+    Either can be in an object store: ``s3://bucket/prefix/`` (the objects under it) or
+    ``s3://bucket/path/manifest.jsonl``, each member one GET through ``store`` (default: an
+    S3Store from the standard AWS configuration).
     ``required``: extensions every sample must have, else it is reported as "missing_member".
     """
 
@@ -44,16 +48,26 @@ class PosixSource(Source):
         files: Sequence[str] | None = None,
         before_open: Callable[[str], None] | None = None,
         keep_problems: int = 100,
+        store: S3Store | None = None,
         _errors=None,
     ):
         super().__init__(on_error=on_error, keep_problems=keep_problems, _errors=_errors)
-        self.root = os.path.abspath(root)
-        if files is None and not os.path.exists(self.root):  # a typo, not an empty corpus
-            raise FileNotFoundError(
-                errno.ENOENT, "no directory or manifest for the posix source", self.root)
+        self._store = None
+        if is_s3(root):
+            self._store = store or S3Store()
+            self._store.check(root)  # credentials, bucket, endpoint: a clear error now
+            self._manifest = root.endswith((".jsonl", ".json"))
+            self.root = root if self._manifest else root.rstrip("/")
+            if self._manifest:
+                self._store.head(self.root)  # FileNotFoundError for a typo
+        else:
+            self.root = os.path.abspath(root)
+            if files is None and not os.path.exists(self.root):  # a typo, not an empty corpus
+                raise FileNotFoundError(
+                    errno.ENOENT, "no directory or manifest for the posix source", self.root)
+            self._manifest = os.path.isfile(self.root) or self.root.endswith((".jsonl", ".json"))
         self.required = tuple(required)
         self.max_member_bytes = max_member_bytes
-        self._manifest = os.path.isfile(self.root) or self.root.endswith((".jsonl", ".json"))
         self._files = None if files is None else list(files)
         self._before_open = before_open  # a staged source copies the file here first
         self._entries: list[tuple[str, dict[str, str], str, tuple[str, str] | None]] | None = None
@@ -80,6 +94,13 @@ class PosixSource(Source):
         unlisted: list[OSError] = []  # directories os.walk could not list
         if self._files is not None:
             rels = sorted(self._files)
+        elif self._store is not None:
+            prefix = self.root + "/"
+            listed = self._store.list(prefix)
+            if not listed:  # a typo, not an empty corpus
+                raise FileNotFoundError(errno.ENOENT, "no objects under the prefix", prefix)
+            rels = [o.url[len(prefix):] for o in listed]
+            rels = [r for r in rels if not any(p.startswith(".") for p in r.split("/"))]
         else:
             rels = []
             for dirpath, dirnames, filenames in os.walk(self.root, onerror=unlisted.append):
@@ -111,37 +132,41 @@ class PosixSource(Source):
     def _scan_manifest(self):
         if self._before_open is not None:
             self._before_open(self.root)
-        with open(self.root, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                origin = f"{self.root}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                    key, members = obj["key"], obj["members"]
-                    ok = (
-                        isinstance(key, str)
-                        and isinstance(members, dict)
-                        and all(
-                            isinstance(k, str) and isinstance(v, str) for k, v in members.items()
-                        )
+        if self._store is not None:
+            lines = self._store.read(self.root).split(b"\n")
+        else:
+            with open(self.root, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line
+                lines = f.read().split(b"\n")
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            origin = f"{self.root}:{lineno}"
+            try:
+                obj = json.loads(line)
+                key, members = obj["key"], obj["members"]
+                ok = (
+                    isinstance(key, str)
+                    and isinstance(members, dict)
+                    and all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in members.items()
                     )
-                except (ValueError, KeyError, TypeError, RecursionError):  # deep nesting
-                    ok, key, members = False, "", {}
-                if not ok:
-                    yield (key if isinstance(key, str) else ""), {}, origin, (
-                        "bad_manifest",
-                        "not {key: str, members: {ext: path}}",
-                    )
-                    continue
-                bad = [p for p in members.values() if unsafe_name(p)]
-                if bad:
-                    yield key, {}, origin, (
-                        "unsafe_name",
-                        f"member path {bad[0]!r} leaves the root",
-                    )
-                    continue
-                yield key, {ext.lower(): p for ext, p in members.items()}, origin, None
+                )
+            except (ValueError, KeyError, TypeError, RecursionError):  # deep nesting
+                ok, key, members = False, "", {}
+            if not ok:
+                yield (key if isinstance(key, str) else ""), {}, origin, (
+                    "bad_manifest",
+                    "not {key: str, members: {ext: path}}",
+                )
+                continue
+            bad = [p for p in members.values() if unsafe_name(p)]
+            if bad:
+                yield key, {}, origin, (
+                    "unsafe_name",
+                    f"member path {bad[0]!r} leaves the root",
+                )
+                continue
+            yield key, {ext.lower(): p for ext, p in members.items()}, origin, None
 
     @property
     def _base(self) -> str:
@@ -183,6 +208,11 @@ class PosixSource(Source):
         ends), never more than max_member_bytes of it (a file may grow after its size is
         taken, or say 0 on some file systems)."""
         cap = self.max_member_bytes
+        if self._store is not None:  # no size asked first: one GET of at most cap + 1 bytes
+            blob = self._store.read(path, 0, cap + 1)
+            if len(blob) > cap:
+                return b"", ("too_large", f"{rel} is over max_member_bytes")
+            return blob, None
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(fd)

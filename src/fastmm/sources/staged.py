@@ -1,4 +1,4 @@
-"""Copy a slow source (a mount, or an HTTP URL) to a local staging directory, then read it there.
+"""Copy a slow source (a mount, an HTTP URL, or an S3 prefix) to a local staging directory, then read it there.
 
 Every file lands atomically (temporary name, verified size and sha256, then ``os.replace``), so a
 reader never sees half a file; ``fcntl.flock`` locks in the staging directory let several ranks of
@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Literal
 from ..config import SourceConfig
 from .base import OnReadError, ProgressLines, Sample, Source, SourceError, to_stderr, unsafe_name
 from .posix import PosixSource
+from .s3 import ObjectInfo, S3Store, is_s3
 from .shards import ShardSource, iter_members
 
 MANIFEST = ".fastmm-files.jsonl"  # {"path", "size", "sha256"} per line; needed for HTTP roots
@@ -55,6 +56,7 @@ class RemoteFile:
     size: int
     sha256: str | None = None
     mtime_ns: int | None = None
+    etag: str | None = None
 
 
 def _sha256_file(path: str) -> str:
@@ -103,7 +105,7 @@ def write_file_manifest(root: str) -> str:
 
 
 class StagedSource(Source):
-    """Stage ``root`` (a directory or an ``http(s)://`` URL) into a directory of its own under
+    """Stage ``root`` (a directory, an ``http(s)://`` URL or an ``s3://bucket/prefix``) into a directory of its own under
     ``stage_dir`` (``self.stage_dir``: ``<root's name>-<hash of root>``), then read it with the
     ``inner`` source ("posix" or "shards") from there.
 
@@ -156,8 +158,13 @@ class StagedSource(Source):
             raise ValueError("extract=True needs mode='before' and inner='posix'")
         if entry and unsafe_name(entry):
             raise ValueError(f"entry={entry!r} must be a relative path inside the staged tree")
-        self.remote = root if root.startswith(("http://", "https://")) else os.path.abspath(root)
-        self._url = self.remote.startswith(("http://", "https://"))
+        url = root.startswith(("http://", "https://")) or is_s3(root)
+        self.remote = root.rstrip("/") if url else os.path.abspath(root)
+        self._url = root.startswith(("http://", "https://"))
+        self._s3 = None
+        if is_s3(root):
+            self._s3 = inner_options.pop("store", None) or S3Store(timeout_s=timeout_s)
+            self._s3.check(self.remote + "/")  # credentials, bucket, endpoint: a clear error now
         # each corpus in a directory of its own: a training and a validation set staged under
         # one FASTMM_STAGE_DIR share file names (shard-000000.tar), and must not share copies
         self.stage_dir = os.path.join(os.path.abspath(stage_dir), corpus_dir_name(self.remote))
@@ -175,6 +182,7 @@ class StagedSource(Source):
                     self._remove_stale(bucket)
         self.staging_cost = {"seconds": 0.0, "bytes": 0, "bytes_per_s": 0.0, "files": 0}
         self.staging_failed: list[str] = []  # mode "before", deferred: tried again when read
+        self._by_path: dict[str, RemoteFile] = {}
         self.files = self._listing()
         self._by_path = {f.path: f for f in self.files}
         self._done: set[str] = set()
@@ -263,6 +271,11 @@ class StagedSource(Source):
     # -- staging -----------------------------------------------------------------------------
 
     def _open_remote(self, rel: str):
+        if self._s3 is not None:
+            f = self._by_path.get(rel)
+            url = f"{self.remote}/{rel}"
+            info = ObjectInfo(url, f.size, f.etag) if f and f.etag else self._s3.head(url)
+            return self._s3.open(info)
         if self._url:
             return urllib.request.urlopen(
                 self.remote.rstrip("/") + "/" + urllib.parse.quote(rel), timeout=self.timeout_s
@@ -275,12 +288,20 @@ class StagedSource(Source):
             with self._open_remote(MANIFEST) as f:
                 text = f.read().decode("utf-8", "replace")  # a bad line fails as that line
         except (OSError, urllib.error.URLError) as e:
-            if self._url:
+            if self._s3 is not None and isinstance(e, FileNotFoundError):  # no manifest: list
+                prefix = self.remote + "/"
+                listed = self._s3.list(prefix)
+                if not listed:  # a typo, not an empty corpus
+                    raise FileNotFoundError(errno.ENOENT, "no objects under the prefix", prefix)
+                return [RemoteFile(o.url[len(prefix):], o.size, etag=o.etag) for o in listed
+                        if not any(p.startswith(".") for p in o.url[len(prefix):].split("/"))]
+            if self._url or self._s3 is not None:
                 raise SourceError(
                     "no_listing",
                     "",
                     self.remote,
-                    f"an HTTP root needs {MANIFEST} (see write_file_manifest): {e}",
+                    f"{MANIFEST} could not be read ({e}); an HTTP root needs one (see "
+                    "write_file_manifest)",
                 ) from e
             out = []
             for rel in _walk(self.remote):
@@ -309,11 +330,11 @@ class StagedSource(Source):
         return out
 
     def _stamp(self, f: RemoteFile) -> dict:
-        return (
-            {"size": f.size, "sha256": f.sha256}
-            if f.sha256
-            else {"size": f.size, "mtime_ns": f.mtime_ns}
-        )
+        if f.sha256:
+            return {"size": f.size, "sha256": f.sha256}
+        if f.etag:
+            return {"size": f.size, "etag": f.etag}
+        return {"size": f.size, "mtime_ns": f.mtime_ns}
 
     def _record(self, f: RemoteFile) -> str:
         return os.path.join(

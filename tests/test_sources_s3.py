@@ -1,0 +1,263 @@
+"""s3:// roots against a real S3-protocol server on 127.0.0.1 (moto's server, its own process)
+behind a proxy that injects latency, bandwidth caps and faults: tar shards read in place (index,
+ranged reads, streams), manifests and trees of objects, staging to a local directory; faults
+retried, resumed, counted or raised as the policy says, with nothing lost or duplicated."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+import fastmm
+from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+from fastmm.bench.s3server import Fault, LocalS3
+from fastmm.sources import (
+    PosixSource, ShardSource, SourceError, StagedSource, write_file_manifest, write_shards,
+)
+from fastmm.sources.s3 import ObjectStoreError, S3Store
+
+BUCKET = "corpus"
+
+
+def _samples(n=30):
+    return [(f"s{i:04d}", {"bin": hashlib.sha256(str(i).encode()).digest() * (50 + 40 * i),
+                           "txt": f"caption {i}".encode()}) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def store_server(tmp_path_factory):
+    """One server for the module: shards, a tree and a manifest uploaded once."""
+    root = tmp_path_factory.mktemp("s3")
+    write_shards(_samples(), str(root / "shards"), max_count=7)
+    tree = root / "tree"
+    for key, members in _samples(9):
+        for ext, data in members.items():
+            (tree / key[:2]).mkdir(parents=True, exist_ok=True)
+            (tree / key[:2] / f"{key}.{ext}").write_bytes(data)
+    with open(root / "manifest.jsonl", "w") as f:
+        for key, members in _samples(9):
+            f.write(json.dumps({"key": key, "members": {e: f"tree/{key[:2]}/{key}.{e}"
+                                                       for e in members}}) + "\n")
+    with LocalS3() as s3:
+        s3.upload_dir(str(root / "shards"), BUCKET, "shards/")
+        s3.upload_dir(str(tree), BUCKET, "tree/")
+        s3.client().upload_file(str(root / "manifest.jsonl"), BUCKET, "manifest.jsonl")
+        s3.local = root
+        yield s3
+
+
+@pytest.fixture
+def s3(store_server, monkeypatch):
+    """The server, its faults and settings reset, and this process's (and its workers')
+    environment pointing at it."""
+    store_server.faults.clear()
+    store_server.latency_s, store_server.bytes_per_s = 0.0, None
+    store_server.allowed_key = "fastmm-test-key"
+    for k, v in store_server.env.items():
+        monkeypatch.setenv(k, v)
+    yield store_server
+    store_server.faults.clear()
+
+
+def _gets(s3) -> int:
+    return s3.requests.get("GET", 0)
+
+
+def test_shards_in_place_read_as_the_local_copy(s3):
+    local = ShardSource(str(s3.local / "shards"), progress=None)
+    remote = ShardSource(f"s3://{BUCKET}/shards", progress=None)
+    assert [os.path.basename(p) for p in remote.shards] == \
+        [os.path.basename(p) for p in local.shards]
+    assert remote.keys() == local.keys() == [k for k, _ in _samples()]
+    for i in (0, 13, 29, 5):
+        assert remote.read(i).members == local.read(i).members
+    for worker in range(2):
+        got = [(s.key, s.members) for s in remote.iter_samples(0, 1, worker, 2)]
+        want = [(s.key, s.members) for s in local.iter_samples(0, 1, worker, 2)]
+        assert got == want and got
+
+
+def test_a_stream_through_a_shard_is_one_get_and_random_reads_one_each(s3):
+    src = ShardSource(f"s3://{BUCKET}/shards/", progress=None)
+    src.keys()  # index: each shard streamed once
+    before = _gets(s3)
+    in_first_shard = [i for i in range(len(src)) if src.shard_of(i) == 0]
+    for i in in_first_shard:  # in file order, as ShardStream reads a shard
+        src.read(i)
+    assert _gets(s3) - before == 2  # the first sample's span, then one GET to the end
+    before = _gets(s3)
+    for i in (20, 3, 27, 11):
+        src.read(i)
+    assert _gets(s3) - before == 4
+
+
+def test_manifest_and_tree_of_objects_read_as_local(s3):
+    local = PosixSource(str(s3.local / "manifest.jsonl"))
+    remote = PosixSource(f"s3://{BUCKET}/manifest.jsonl")
+    tree = PosixSource(f"s3://{BUCKET}/tree/")
+    assert remote.keys() == local.keys() == [k for k, _ in _samples(9)]
+    assert sorted(tree.keys()) == [f"s0/{k}" for k, _ in _samples(9)]
+    for i in range(9):
+        assert remote.read(i).members == local.read(i).members == tree.read(i).members
+
+
+def test_staging_copies_each_object_once_and_reads_the_copy(s3, tmp_path):
+    first = StagedSource(f"s3://{BUCKET}/shards", str(tmp_path), inner="shards", progress=None)
+    assert first.staging_cost["files"] == 5
+    assert first.staging_cost["bytes"] == sum(
+        os.path.getsize(p) for p in (s3.local / "shards").glob("*.tar"))
+    again = StagedSource(f"s3://{BUCKET}/shards", str(tmp_path), inner="shards", progress=None)
+    assert again.staging_cost["files"] == 0
+    assert [again.read(i).members for i in range(30)] == [m for _, m in _samples()]
+
+
+def test_staging_checks_a_published_manifest(s3, tmp_path):
+    d = tmp_path / "pub"
+    write_shards(_samples(6), str(d), max_count=3)
+    write_file_manifest(str(d))
+    s3.upload_dir(str(d), BUCKET, "published/")
+    staged = StagedSource(f"s3://{BUCKET}/published", str(tmp_path / "stage"), inner="shards",
+                          progress=None)
+    assert [staged.read(i).members for i in range(6)] == [m for _, m in _samples(6)]
+    assert all(f.sha256 for f in staged.files)
+
+
+def test_throttling_and_5xx_are_retried_with_backoff(s3):
+    src = ShardSource(f"s3://{BUCKET}/shards", progress=None)
+    src.keys()
+    s3.faults += [Fault(path="shard-000002", times=2, status=503, code="SlowDown"),
+                  Fault(path="shard-000003", times=1, status=500, code="InternalError")]
+    assert src.read(15).members == _samples()[15][1]
+    assert src.read(22).members == _samples()[22][1]
+    assert [f.hits for f in s3.faults] == [2, 1]
+
+
+@pytest.mark.parametrize("fault", [Fault(path="shard-000001", drop_after=3000, times=2),
+                                   Fault(path="shard-000001", stall_s=3.0)],
+                         ids=["dropped", "stalled"])
+def test_a_connection_lost_mid_object_resumes_with_nothing_lost_or_repeated(s3, fault):
+    src = ShardSource(f"s3://{BUCKET}/shards", progress=None, store=S3Store(timeout_s=1.0))
+    s3.faults.append(fault)
+    got = [s.key for w in range(2) for s in src.iter_samples(0, 1, w, 2)]
+    assert sorted(got) == [k for k, _ in _samples()] and fault.hits == fault.times
+
+
+@pytest.mark.slow
+def test_retries_run_out_into_the_error_policy_naming_the_object(s3):
+    s3.faults.append(Fault(path="shard-000004", times=100, status=503))
+    src = ShardSource(f"s3://{BUCKET}/shards", progress=None, on_error="skip",
+                      store=S3Store(attempts=2))
+    assert len(src) == 28  # shard 4's samples unknown: its one stand-in entry counted
+    assert src.skipped == {"unreadable": 1}
+    assert "shard-000004" in src.problems[0].origin
+    t0 = time.monotonic()
+    strict = ShardSource(f"s3://{BUCKET}/shards", progress=None, store=S3Store(attempts=2))
+    assert strict.keys()[28:] == ["shard-000004.tar"]  # the stand-in raises when read
+    with pytest.raises(SourceError, match="shard-000004"):
+        strict.read(28)
+    with pytest.raises(SourceError, match="shard-000004"):
+        list(strict.iter_samples())
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_missing_object_is_counted_with_its_key(s3, tmp_path):
+    lines = [{"key": "here", "members": {"txt": "tree/s0/s0001.txt"}},
+             {"key": "gone", "members": {"txt": "tree/s0/nothing.txt"}}]
+    body = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    s3.client().put_object(Bucket=BUCKET, Key="holes.jsonl", Body=body)
+    skip = PosixSource(f"s3://{BUCKET}/holes.jsonl", on_error="skip")
+    assert skip.read(0).members == {"txt": b"caption 1"}
+    assert skip.read(1).members == {}
+    assert skip.skipped == {"unreadable": 1} and skip.problems[0].key == "gone"
+    with pytest.raises(SourceError, match="nothing.txt"):
+        PosixSource(f"s3://{BUCKET}/holes.jsonl").read(1)
+
+
+def test_a_damaged_shard_object_is_counted_and_the_rest_read(s3, tmp_path):
+    d = tmp_path / "cut"
+    [path] = write_shards(_samples(5), str(d))
+    data = open(path, "rb").read()
+    s3.client().put_object(Bucket=BUCKET, Key="cut/shard-000000.tar", Body=data[:len(data) // 2])
+    src = ShardSource(f"s3://{BUCKET}/cut/", progress=None, on_error="skip")
+    streamed = [s.key for s in src.iter_samples()]
+    assert streamed and streamed == src.keys()[: len(streamed)]
+    assert src.skipped.get("truncated") >= 1
+
+
+def test_an_object_changed_while_read_is_not_mixed(s3, tmp_path):
+    s3.client().put_object(Bucket=BUCKET, Key="moving/a.tar", Body=b"x" * 4096)
+    info = S3Store().head(f"s3://{BUCKET}/moving/a.tar")
+    s3.client().put_object(Bucket=BUCKET, Key="moving/a.tar", Body=b"y" * 4096)
+    with pytest.raises(OSError, match="changed"):
+        S3Store().read(info.url, 0, 100, info.etag)
+
+
+@pytest.mark.parametrize("kind", ["shards", "posix", "staged"])
+def test_wrong_credentials_or_no_bucket_fail_at_start(s3, tmp_path, kind):
+    def open_(root):
+        if kind == "staged":
+            return StagedSource(root, str(tmp_path), progress=None)
+        return (ShardSource if kind == "shards" else PosixSource)(root)
+
+    with pytest.raises(ObjectStoreError, match="no such bucket"):
+        open_("s3://no-such-bucket/shards/")
+    s3.allowed_key = "another-key"
+    with pytest.raises(ObjectStoreError, match="access key"):
+        open_(f"s3://{BUCKET}/shards/")
+
+
+def test_an_unreachable_endpoint_fails_at_start_within_its_bound(monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    for k, v in LocalS3()._env(port).items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    with pytest.raises(ObjectStoreError, match="cannot be reached"):
+        ShardSource("s3://corpus/shards/", store=S3Store(attempts=2, timeout_s=1.0))
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_prefix_with_nothing_under_it_is_a_typo(s3):
+    with pytest.raises(FileNotFoundError):
+        ShardSource(f"s3://{BUCKET}/shardz/")
+    with pytest.raises(FileNotFoundError):
+        PosixSource(f"s3://{BUCKET}/manifest-typo.jsonl")
+
+
+@pytest.mark.slow
+def test_loader_and_shard_stream_over_a_slow_faulty_store(s3, tmp_path):
+    """fastmm.DataLoader with 2 workers over image shards in a store 5 ms away at 20 MB/s,
+    throttled once and dropped once: each sample once; ShardStream on two ranks: the same
+    number of batches on each, every sample between them."""
+    write_corpus(CorpusSpec(num_images=24, num_videos=0, seed=5, png_fraction=0.0,
+                            image_short_side=(40, 60), large_fraction=0.0, shard_bytes=9_000),
+                 str(tmp_path))
+    s3.upload_dir(str(tmp_path / "shards"), BUCKET, "images/")
+    s3.latency_s, s3.bytes_per_s = 0.005, 20e6
+    s3.faults += [Fault(path="images/shard-000000", times=1, status=503),
+                  Fault(path="images/shard-000003", times=1, drop_after=5000)]
+
+    def dataset():
+        return fastmm.MultimodalDataset(f"s3://{BUCKET}/images", source="shards",
+                                        decoder="pil", size=16, crop="center",
+                                        modality="image")
+
+    loader = fastmm.DataLoader(dataset(), batch_size=4, num_workers=2)
+    got = collections.Counter(k for batch in loader for k in batch["key"])
+    assert len(got) == 24 and set(got.values()) == {1}
+    per_rank = []
+    for rank in range(2):
+        stream = fastmm.ShardStream(dataset(), rank=rank, world_size=2, seed=3)
+        per_rank.append([b["key"] for b in fastmm.DataLoader(stream, batch_size=2,
+                                                             num_workers=2)])
+    assert len(per_rank[0]) == len(per_rank[1])
+    assert {k for r in per_rank for b in r for k in b} == set(got)
+    assert all(f.hits == 1 for f in s3.faults)
