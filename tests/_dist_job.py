@@ -3,6 +3,7 @@ loads its share through fastmm.DataLoader + fastmm.DistributedSampler for two ep
 every step, and writes the ids it saw."""
 
 import json
+import os
 import sys
 
 import torch
@@ -26,9 +27,9 @@ class Keys(Dataset):
     """Samples of a MultimodalDataset over tar shards (random access through their offset
     index), reduced to their index in the dataset."""
 
-    def __init__(self, shards: str):
-        self.ds = fastmm.MultimodalDataset(shards, source="shards", decoder="pil", size=32,
-                                           modality="image")
+    def __init__(self, shards: str, **source):
+        self.ds = fastmm.MultimodalDataset(shards, decoder="pil", size=32, modality="image",
+                                           **({"source": "shards"} | source))
         self.keys = self.ds.source.keys()
 
     def __len__(self):
@@ -42,7 +43,8 @@ class Keys(Dataset):
 
 def main(out: str, shards: str | None = None, mode: str = "sampler") -> None:
     """mode "sampler": samples split by fastmm.DistributedSampler; "stream": whole shards split
-    by fastmm.ShardStream (equal="pad"), ids are keys."""
+    by fastmm.ShardStream (equal="pad"), ids are keys; "staged": as "sampler", over shards
+    staged from ``shards`` (an s3:// prefix) into the node's FASTMM_STAGE_DIR."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode == "stream":
@@ -51,10 +53,18 @@ def main(out: str, shards: str | None = None, mode: str = "sampler") -> None:
         loader = fastmm.DataLoader(stream, batch_size=4, num_workers=2)
         record = {"rank": rank, "world": world, "sampler_rank": stream.rank, "epochs": []}
     else:
-        dataset = Keys(shards) if shards else Ids()
+        if mode == "staged":
+            dataset = Keys(shards, source="staged", inner="shards")
+        else:
+            dataset = Keys(shards) if shards else Ids()
         sampler = fastmm.DistributedSampler(dataset, seed=5)  # rank and world from the job
         loader = fastmm.DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=2)
         record = {"rank": rank, "world": world, "sampler_rank": sampler.rank, "epochs": []}
+        if mode == "staged":
+            record |= {"node": int(os.environ["GROUP_RANK"]),
+                       "local_rank": int(os.environ["LOCAL_RANK"]),
+                       "stage_dir": dataset.ds.source.stage_dir,
+                       "staged_files": dataset.ds.source.staging_cost["files"]}
     for epoch in range(2):
         ids, steps = [], 0
         if mode == "stream":

@@ -100,6 +100,45 @@ def test_torchrun_job_streaming_whole_shards_keeps_ranks_in_step(world, tmp_path
     assert orders[0] != orders[1]
 
 
+@pytest.mark.slow
+def test_two_node_launches_stage_once_per_node_and_read_every_sample_once(tmp_path):
+    """torchrun --nnodes 2 as on a cluster, both nodes on this machine: two launches (2 ranks
+    each) meeting at 127.0.0.1, each node staging the shards from an S3 store (moto's server)
+    into its own node-local directory. Each node copies each shard once, its two ranks sharing
+    the copy; each sample is read once per epoch across the four ranks; equal batch counts."""
+    pytest.importorskip("PIL")
+    pytest.importorskip("moto")
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+    from fastmm.bench.nodes import launch_nodes
+    from fastmm.bench.s3server import LocalS3
+
+    write_corpus(CorpusSpec(num_images=24, num_videos=0, seed=6, png_fraction=0.0,
+                            image_short_side=(40, 60), large_fraction=0.0, shard_bytes=12_000),
+                 str(tmp_path / "c"))
+    shards = sorted((tmp_path / "c" / "shards").glob("*.tar"))
+    with LocalS3() as s3:
+        s3.upload_dir(str(tmp_path / "c" / "shards"), "corpus", "shards/")
+        done = launch_nodes(
+            2, 2, [os.path.join(HERE, "_dist_job.py"), str(tmp_path), "s3://corpus/shards",
+                   "staged"],
+            env={**os.environ, **s3.env, "OMP_NUM_THREADS": "1"},
+            node_env=lambda node: {"FASTMM_STAGE_DIR": str(tmp_path / f"node{node}-nvme")},
+            timeout_s=300)
+    for node in done:
+        assert node.returncode == 0, node.output[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert sorted((r["node"], r["local_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for node in (0, 1):
+        mine = [r for r in ranks if r["node"] == node]
+        assert len({r["stage_dir"] for r in mine}) == 1  # one copy per node...
+        assert mine[0]["stage_dir"].startswith(str(tmp_path / f"node{node}-nvme"))
+        assert sum(r["staged_files"] for r in mine) == len(shards)  # ...made once
+    for epoch in range(2):
+        seen = collections.Counter(i for r in ranks for i in r["epochs"][epoch]["ids"])
+        assert seen == collections.Counter(range(24))  # 24 over 4 ranks: no padding
+        assert len({r["epochs"][epoch]["batches"] for r in ranks}) == 1
+
+
 def test_rank_and_world_size_come_from_the_torchrun_environment(monkeypatch):
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")
