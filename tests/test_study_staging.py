@@ -63,6 +63,16 @@ def test_staging_study_end_to_end(tmp_path):
     assert seen["answer"][:2] == [finding["text"],
                                   f"Call: {finding['call']} ({finding['label']})."]
     assert seen["answer"][2:] == seen["alerts"] == result["busy"]
-    assert list(seen["plots"]) == ["break-even", "epoch-times"]
+    assert list(seen["plots"]) == ["break-even", "epoch-times", "break-even-object-store"]
     assert all(w == 1000 and h > 150 for w, h in seen["plots"].values())
-    assert seen["tables"] == [1 + len(study_staging.ROWS)] and seen["external"] == []
+    assert seen["tables"] == [1 + len(study_staging.ROWS) + len(study_staging.S3_ROWS)]
+    assert seen["external"] == []
+    # the object-store arm: same bytes, each shard staged once a repetition, the cap holds
+    arm = result["object_store"]
+    assert arm["correctness"]["ok"] and len(arm["reps"]) == 6
+    cap = arm["store"]["mb_per_s_per_connection"] * 1e6
+    for rep in arm["reps"]:
+        assert rep["staging_cost"]["bytes"] == arm["data"]["bytes"]
+        assert rep["staging_cost"]["files"] == arm["data"]["shards"]
+        assert rep["in_place"]["seconds"] >= arm["data"]["bytes"] / (2 * cap)  # 2 workers
+    assert study_staging.object_store_finding(arm) in finding["text"]

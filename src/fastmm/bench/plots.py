@@ -116,22 +116,25 @@ def over_time(series: dict[str, tuple[list[float], list[float]]], ylabel: str,
     return fig
 
 
-def break_even(in_place_epoch_s: float, staging_s: float, staged_epoch_s: float) -> Figure:
-    """Cumulative time against epochs for reading in place and for staging then reading the
-    copy, with the crossing marked: the number of epochs from which staging pays."""
+def break_even(in_place_epoch_s: float, staging_s: float, staged_epoch_s: float,
+               in_place_open_s: float = 0.0) -> Figure:
+    """Cumulative time against epochs for reading in place (after ``in_place_open_s``, what
+    opening in place costs once) and for staging then reading the copy, with the crossing
+    marked: the number of epochs from which staging pays."""
     saved = in_place_epoch_s - staged_epoch_s
-    crossing = staging_s / saved if saved > 0 else None
+    crossing = max(staging_s - in_place_open_s, 0.0) / saved if saved > 0 else None
     last = max(4, math.ceil(2 * crossing) if crossing else 4)
     epochs = list(range(last + 1))
     fig, ax = _figure(4.2)
     ax.grid(True, axis="y", color="#ddd", linewidth=0.8)
-    ax.plot(epochs, [e * in_place_epoch_s for e in epochs], "o-", color=COLORS[1],
-            label=f"read in place ({_fmt(in_place_epoch_s)} s an epoch)")
+    opened = f"open {_fmt(in_place_open_s)} s, then " if in_place_open_s else ""
+    ax.plot(epochs, [in_place_open_s + e * in_place_epoch_s for e in epochs], "o-",
+            color=COLORS[1], label=f"read in place ({opened}{_fmt(in_place_epoch_s)} s an epoch)")
     ax.plot(epochs, [staging_s + e * staged_epoch_s for e in epochs], "o-", color=COLORS[0],
             label=f"stage ({_fmt(staging_s)} s), then read the copy ({_fmt(staged_epoch_s)} s "
                   "an epoch)")
-    if crossing:
-        t = crossing * in_place_epoch_s
+    if crossing is not None:
+        t = in_place_open_s + crossing * in_place_epoch_s
         ax.plot([crossing], [t], "D", color="black", markersize=8, zorder=5)
         ax.annotate(f"break-even: {crossing:.1f} epochs", (crossing, t), xytext=(12, -18),
                     textcoords="offset points", fontsize=10)

@@ -172,6 +172,7 @@ class LocalS3:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body leave at once, as from a store
 
             def log_message(self, *args):
                 pass

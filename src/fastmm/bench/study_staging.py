@@ -8,7 +8,14 @@ atomic) and its cost is charged; the page cache of the staged copy is dropped be
 epoch (posix_fadvise DONTNEED), so "staged" means read from local disk, and a second, warm epoch
 is reported apart. Reported: staging cost, epoch time of each arm, and the break-even number of
 epochs, staging_s / (in_place_epoch_s - staged_epoch_s). Every epoch's batches are digested:
-both arms must deliver the same bytes. Run:
+both arms must deliver the same bytes.
+
+The object-store arm does the same for tar shards in an S3 store (moto's server on 127.0.0.1
+behind a proxy adding the same latency per request and the bandwidth cap per connection, as S3
+caps each connection): ``fastmm.ShardStream`` reads the shards in place (one streaming GET per
+shard, after the index scan that opening them costs), against staging the objects to local
+disk first and streaming the copy the same way. Break-even there counts the one-time costs of
+each arm: (staging + opening the copy - opening in place) / epoch time saved. Run:
 ``python -m fastmm.bench.study_staging --out DIR`` (``--quick`` for a smoke run).
 """
 
@@ -133,6 +140,93 @@ def epoch(base: str, paths: list[str], args) -> dict:
     return {"seconds": seconds, "samples_per_s": n / seconds, "digest": f"{digest:08x}"}
 
 
+def shard_epoch(stream, args) -> dict:
+    """One epoch of a ShardStream through fastmm.DataLoader, as ``epoch`` times a Dataset."""
+    import fastmm
+
+    loader = fastmm.DataLoader(stream, batch_size=args.batch, num_workers=args.num_workers)
+    digest, n = 0, 0
+    t0 = time.perf_counter()
+    for batch in loader:
+        digest = zlib.crc32(batch["image"].numpy().tobytes(), digest)
+        n += len(batch["key"])
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "samples_per_s": n / seconds, "digest": f"{digest:08x}"}
+
+
+def object_store_arm(root: str, work: str, args) -> dict:
+    """Shards in a local S3 store read in place against staged first (see the module's
+    docstring): per repetition, the open (index) and epoch times of both arms and staging."""
+    import fastmm
+    from ..sources import open_source, write_shards
+    from .s3server import LocalS3
+
+    files = open_source("posix", os.path.join(root, "posix", "manifest.jsonl"))
+    samples = [files.read(i) for i in range(len(files))]
+    total = sum(len(b) for s in samples for b in s.members.values())
+    shard_dir = os.path.join(work, "s3-shards")
+    shards = write_shards(samples, shard_dir, max_bytes=max(total // (4 * args.num_workers), 1))
+
+    def stream(**source):
+        t0 = time.perf_counter()
+        ds = fastmm.MultimodalDataset("s3://corpus/shards", decoder="pil", size=SIZE,
+                                      crop="center", modality="image", **source)
+        opened = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = fastmm.ShardStream(ds, seed=args.seed)  # indexes the shards
+        return ds, out, opened, time.perf_counter() - t0
+
+    reps = []
+    with LocalS3(latency_s=args.latency_ms / 1e3, bytes_per_s=args.mb_per_s * 1e6) as s3, \
+            s3.environ():
+        s3.upload_dir(shard_dir, "corpus", "shards/")
+        for r in range(args.reps):
+            stage_dir = os.path.join(work, f"s3-stage-{r}")
+            with OtherCores() as others:
+                _, remote, listed_s, index_s = stream(source="shards")
+                in_place = shard_epoch(remote, args)
+                ds, local, staging_s, staged_index_s = stream(
+                    source="staged", inner="shards", stage_dir=stage_dir)
+                drop_page_cache(ds.source.stage_dir)
+                cold = shard_epoch(local, args)
+                warm = shard_epoch(local, args)
+            reps.append({"in_place": in_place, "in_place_open_s": listed_s + index_s,
+                         "staged_cold": cold,
+                         "staged_warm": warm, "staging_s": staging_s,
+                         "staged_open_s": staged_index_s,
+                         "staging_cost": ds.source.staging_cost,
+                         "other_processes_cpu_cores": others.cores})
+            shutil.rmtree(stage_dir)
+            print(f"[staging] object store rep {r + 1}/{args.reps}: in place "
+                  f"{listed_s + index_s:.2f} s "
+                  f"open + {in_place['seconds']:.2f} s epoch, staging {staging_s:.2f} s, "
+                  f"staged epoch {cold['seconds']:.2f} s cold / {warm['seconds']:.2f} s warm",
+                  file=sys.stderr, flush=True)
+    inp = [x["in_place"]["seconds"] for x in reps]
+    cold = [x["staged_cold"]["seconds"] for x in reps]
+    once = [x["staging_s"] + x["staged_open_s"] - x["in_place_open_s"] for x in reps]
+    digests = {x[k]["digest"] for x in reps for k in ("in_place", "staged_cold", "staged_warm")}
+    return {
+        "store": {"kind": "S3 protocol (moto's server) on 127.0.0.1, through a proxy",
+                  "mb_per_s_per_connection": args.mb_per_s, "latency_ms": args.latency_ms},
+        "data": {"shards": len(shards), "samples": len(samples),
+                 "bytes": sum(os.path.getsize(p) for p in shards)},
+        "in_place_open_s": stats.summarize([x["in_place_open_s"] for x in reps]),
+        "in_place_epoch_s": stats.summarize(inp),
+        "staging_s": stats.summarize([x["staging_s"] for x in reps]),
+        "staged_open_s": stats.summarize([x["staged_open_s"] for x in reps]),
+        "staged_epoch_s_cold": stats.summarize(cold),
+        "staged_epoch_s_warm": stats.summarize([x["staged_warm"]["seconds"] for x in reps]),
+        "staged_over_in_place_throughput": stats.summarize(stats.paired_ratios(inp, cold)),
+        "break_even_epochs": stats.summarize(
+            [max(o, 0.0) / (i - c) if i > c else None for o, i, c in zip(once, inp, cold)]),
+        "correctness": {"check": "every epoch of both arms delivers byte-identical batches",
+                        "ok": len(digests) == 1},
+        "other_processes_cpu_cores": [x["other_processes_cpu_cores"] for x in reps],
+        "reps": reps,
+    }
+
+
 def run(args) -> dict:
     from ..sources.staged import StagedSource, write_file_manifest
 
@@ -169,6 +263,7 @@ def run(args) -> dict:
                       f"{warm['seconds']:.2f} s warm", file=sys.stderr, flush=True)
         finally:
             server.close()
+        s3_arm = None if args.no_object_store else object_store_arm(root, work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     inp = [x["in_place"]["seconds"] for x in reps]
@@ -195,6 +290,9 @@ def run(args) -> dict:
         "busy": busy_notes("staging", [x["other_processes_cpu_cores"] for x in reps]),
         "reps": reps,
     }
+    if s3_arm is not None:
+        result["object_store"] = s3_arm
+        result["busy"] += busy_notes("object-store arm", s3_arm["other_processes_cpu_cores"])
     result["finding"] = finding(result)
     return result
 
@@ -215,7 +313,26 @@ def finding(result: dict) -> dict:
                  f"itself after {stats.interval(be, 1, ' epochs')}.")
     else:
         text += "Staging does not pay for itself: the staged copy was not always read faster."
+    if "object_store" in result:
+        text += " " + object_store_finding(result["object_store"])
     return {"text": text, "call": call, "label": label}
+
+
+def object_store_finding(arm: dict) -> str:
+    """The object-store arm in two sentences (its own figures; the call stays the HTTP arm's)."""
+    ratio, be, s = arm["staged_over_in_place_throughput"], arm["break_even_epochs"], arm["store"]
+    text = (f"For tar shards in an S3 store ({s['mb_per_s_per_connection']:g} MB/s a "
+            f"connection, {s['latency_ms']:g} ms a request), epochs streamed from the staged "
+            f"copy ran {stats.interval(ratio, 2, 'x')} as fast as streaming the objects in "
+            f"place ({arm['in_place_epoch_s']['median']:.1f} s against "
+            f"{arm['staged_epoch_s_cold']['median']:.1f} s; opening in place, the index scan, "
+            f"took {arm['in_place_open_s']['median']:.1f} s). ")
+    if not arm["correctness"]["ok"]:
+        return text + "The two arms delivered different bytes: not comparable."
+    if be and be["n"] == ratio["n"]:
+        return text + (f"Staging took {stats.interval(arm['staging_s'], 1, ' s')} and pays for "
+                       f"itself after {stats.interval(be, 1, ' epochs')}.")
+    return text + "Staging does not pay for itself there: the copy was not always read faster."
 
 
 def figures(result: dict) -> list[tuple]:
@@ -235,7 +352,19 @@ def figures(result: dict) -> list[tuple]:
             ("epoch, staged copy, warm", result["staged_epoch_s_warm"])], "seconds"),
          "Seconds per epoch of each arm and of staging: median and interval over the "
          "repetitions (" + stats.CI_METHOD + ")."),
-    ]
+    ] + ([] if "object_store" not in result else [object_store_figure(result["object_store"])])
+
+
+def object_store_figure(arm: dict) -> tuple:
+    med = {k: arm[k]["median"] for k in ("in_place_epoch_s", "in_place_open_s", "staging_s",
+                                           "staged_open_s", "staged_epoch_s_cold")}
+    return ("break-even-object-store",
+            plots.break_even(med["in_place_epoch_s"], med["staging_s"] + med["staged_open_s"],
+                             med["staged_epoch_s_cold"], med["in_place_open_s"]),
+            "Tar shards in an S3 store: cumulative time against epochs, streaming the objects "
+            "in place after opening them there (listing and index scan), and staging them "
+            "first (copy, verify, local index scan) then streaming the local copy (page cache "
+            "dropped). Medians of the repetitions.")
 
 
 HEADER = ["figure", "median [interval]"]
@@ -247,9 +376,25 @@ ROWS = (("epoch reading in place", "in_place_epoch_s", " s", 2),
         ("break-even epochs (staging / epoch time saved)", "break_even_epochs", " epochs", 1))
 
 
+S3_ROWS = (("object store: opening in place (listing + index scan)", "in_place_open_s", " s", 2),
+           ("object store: epoch streaming in place", "in_place_epoch_s", " s", 2),
+           ("object store: staging (copy + verify)", "staging_s", " s", 2),
+           ("object store: opening the staged copy (index scan)", "staged_open_s", " s", 2),
+           ("object store: epoch from the staged copy, page cache dropped",
+            "staged_epoch_s_cold", " s", 2),
+           ("object store: epoch from the staged copy, warm", "staged_epoch_s_warm", " s", 2),
+           ("object store: per-epoch throughput, staged / in place",
+            "staged_over_in_place_throughput", "x", 2),
+           ("object store: break-even epochs", "break_even_epochs", " epochs", 1))
+
+
 def _rows(result: dict) -> list[list[str]]:
-    return [[label, stats.interval(result[key], digits, unit)]
+    rows = [[label, stats.interval(result[key], digits, unit)]
             for label, key, unit, digits in ROWS]
+    if "object_store" in result:
+        rows += [[label, stats.interval(result["object_store"][key], digits, unit)]
+                 for label, key, unit, digits in S3_ROWS]
+    return rows
 
 
 def _setup(result: dict) -> list[str]:
@@ -264,7 +409,17 @@ def _setup(result: dict) -> list[str]:
         f"Intervals: {stats.CI_METHOD}.",
         f"Correctness: {result['correctness']['check']}: "
         f"{'ok' if result['correctness']['ok'] else 'FAILED'}.",
-    ]
+    ] + ([] if "object_store" not in result else [_s3_setup(result["object_store"])])
+
+
+def _s3_setup(arm: dict) -> str:
+    s, d = arm["store"], arm["data"]
+    return (f"Object-store arm: {s['kind']}, {s['mb_per_s_per_connection']} MB/s per "
+            f"connection, {s['latency_ms']} ms per request; {d['samples']} images in "
+            f"{d['shards']} tar shards, {d['bytes'] / 1e6:.1f} MB; both arms read with "
+            "fastmm.ShardStream (the same shard order, seed and center crops), decode on the "
+            "same pil path. The store runs on this machine's cores too. Correctness: "
+            f"{arm['correctness']['check']}: {'ok' if arm['correctness']['ok'] else 'FAILED'}.")
 
 
 TITLE = "Study 1: NVMe staging against reading in place"
@@ -288,6 +443,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=options.whole(0), default=0)
     p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--work-dir", type=options.directory, default=None, help="where the staging copies go (local disk)")
+    p.add_argument("--no-object-store", action="store_true",
+                   help="leave out the object-store arm (tar shards in a local S3 store)")
     p.add_argument("--quick", action="store_true", help="smoke run: 48 images, 6 short reps")
     args = options.parse(p, argv, {"images": 48, "mb_per_s": 40.0})
     result = run(args)
