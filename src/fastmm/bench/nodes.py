@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -39,35 +39,47 @@ def torchrun_command(nnodes: int, nproc_per_node: int, node_rank: int, port: int
 
 def launch_nodes(nnodes: int, nproc_per_node: int, argv: list[str], *, env: dict | None = None,
                  node_env: Callable[[int], dict] | None = None, timeout_s: float = 600,
-                 grace_s: float = 30) -> list[NodeRun]:
+                 grace_s: float = 30,
+                 on_line: Callable[[int, str], None] | None = None) -> list[NodeRun]:
     """Run ``argv`` (a script and its arguments, or ``-m module ...``) on ``nnodes`` launches
-    and wait for all of them. A launch that fails gets the others ``grace_s`` to end before
-    they are killed (they would wait for it at the next collective); so does the time limit."""
+    and wait for all of them; ``on_line(node, line)`` sees their output as it comes. A launch
+    that fails gets the others ``grace_s`` to end before they are killed (they would wait for
+    it at the next collective); the time limit kills them all."""
     port = _free_port()
-    procs, logs = [], []
+    procs, outputs, readers = [], [], []
     for node in range(nnodes):
-        log = tempfile.TemporaryFile(mode="w+")
-        node_vars = {**(env if env is not None else os.environ), **(node_env(node) if node_env
-                                                                    else {})}
-        procs.append(subprocess.Popen(
+        node_vars = {**(env if env is not None else os.environ),
+                     **(node_env(node) if node_env else {})}
+        p = subprocess.Popen(
             torchrun_command(nnodes, nproc_per_node, node, port, argv), env=node_vars,
-            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True))
-        logs.append(log)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=_read, args=(p.stdout, node, lines, on_line),
+                                  daemon=True)
+        reader.start()
+        procs.append(p)
+        outputs.append(lines)
+        readers.append(reader)
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
-        failed = any(p.returncode not in (None, 0) for p in procs)
-        if failed or time.monotonic() > deadline:
-            deadline = min(deadline, time.monotonic() + grace_s) if failed else deadline
-            if time.monotonic() > deadline:
-                for p in procs:
-                    if p.poll() is None:
-                        os.killpg(p.pid, signal.SIGKILL)
-                        p.wait()
-                break
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace_s)
+        if time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            break
         time.sleep(0.2)
-    runs = []
-    for node, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        runs.append(NodeRun(node, p.returncode, log.read()))
-        log.close()
-    return runs
+    for reader in readers:
+        reader.join(10)
+    return [NodeRun(node, p.returncode, "".join(lines))
+            for node, (p, lines) in enumerate(zip(procs, outputs))]
+
+
+def _read(stream, node: int, lines: list[str], on_line) -> None:
+    for line in stream:
+        lines.append(line)
+        if on_line is not None:
+            on_line(node, line)

@@ -49,6 +49,10 @@ class _Proxy(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that hung up: normal
+            super().handle_error(request, client_address)
+
 
 class LocalS3:
     """``with LocalS3() as s3:`` starts moto's server and the proxy, sets nothing globally;
@@ -236,12 +240,6 @@ class LocalS3:
                         if ahead > 0:
                             time.sleep(ahead)
 
-            def _forward_quietly(self) -> None:
-                try:
-                    self._forward()
-                except (BrokenPipeError, ConnectionResetError):  # the client hung up mid-answer
-                    self.close_connection = True
-
-            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward_quietly
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
         return Handler

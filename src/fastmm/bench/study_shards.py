@@ -1,15 +1,20 @@
 """Study 3, sharded storage in distributed training: a file per sample against WebDataset tar
-shards of several sizes (read by offset index) and against the same shards staged to local disk
-first, under ``torchrun`` (gloo) at world size 2 and 4 on this machine. The one factor is the
-data layout; decode (torchvision backend, fast path, 224 px), sampler (fastmm.DistributedSampler,
-seed 0), batch and workers are the same. Every rank all-reduces each step, as training would.
+shards of several sizes (read by offset index), against the largest shards in an S3 store (moto's
+server on 127.0.0.1 behind a proxy with a latency per request and a bandwidth cap per
+connection) read in place by ranged GETs, and against those objects staged to a node-local
+directory first, under ``torchrun`` (gloo) at world size 2 and 4 on this machine, and at the
+largest world size as two node launches (``--nnodes 2``, each node staging into its own
+directory, its ranks sharing the copy). The one factor is the data layout; decode (torchvision
+backend, fast path, 224 px), sampler (fastmm.DistributedSampler, seed 0), batch and workers are
+the same. Every rank all-reduces each step, as training would.
 
 Reported per layout and world size, over ``--reps`` repetitions run interleaved (every
 configuration once per round): per-rank throughput (median over ranks) with its median and
 interval over the repetitions (a 95% CI from 6 of them: ``stats``), its ratio to the
 file-per-sample layout at the same world size (paired by round), the slowest rank against the
-fastest, startup (opening the layout to its first batch), staging cost where staged, and
-whether every rank yielded the same number of batches. One torchrun job per world size reads
+fastest, startup (opening the layout to its first batch), staging cost where staged (and
+whether each node copied each object once), and whether every rank yielded the same number of
+batches. One torchrun job per configuration reads
 every round's layouts in turn, the ranks starting each layout together; its processes' start
 (imports and rendezvous, the same for every layout) is reported once. Run:
 ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a smoke run).
@@ -22,7 +27,6 @@ import collections
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +36,7 @@ from .corpus import default_cache_dir
 from .mmcorpus import CorpusSpec
 from .pipelines import SIZE, ensure_mmcorpus
 from .report import busy_notes, save_study
+from .s3server import LocalS3
 
 
 def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None:
@@ -45,14 +50,17 @@ def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None
     ready = time.time() - psutil.Process().create_time()  # imports and the group's rendezvous
     figures = {"rank": rank, "world": world, "ready_s": ready, "runs": []}
     runs = json.load(open(plan))
+    node = int(os.environ.get("GROUP_RANK", "0"))  # torchrun's node rank
+    figures["node"] = node
     rep, name, path = runs[0]  # a warm-up, not recorded: the first layout read pays the imports
-    read_layout(name, path, os.path.join(out, "stage-warm-up"), batch, workers, 1)
+    read_layout(name, path, os.path.join(out, f"stage-warm-up-node{node}"), batch, workers, 1)
     for done, (rep, name, path) in enumerate(runs, 1):
         dist.barrier()
         # the whole job is under torchrun's agent (this rank's parent): its CPU is not "other"
         with harness.OtherCores(root=os.getppid()) as others:
-            figs = read_layout(name, path, os.path.join(out, f"stage-{rep}"), batch, workers,
-                               epochs)
+            # one staging directory per node (its local disk): its ranks stage each object once
+            figs = read_layout(name, path, os.path.join(out, f"stage-{rep}-node{node}"), batch,
+                               workers, epochs)
         run = {"rep": rep, "layout": name, **figs, "other_processes_cpu_cores": others.cores}
         figures["runs"].append(run)
         if rank == 0:
@@ -76,10 +84,10 @@ def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
     opened = time.perf_counter()
     kind = {"files": "posix", "staged": "staged"}.get(name, "shards")
     source = None
-    if kind == "staged":  # one staging directory for the node: ranks stage each shard once
+    if kind == "staged":  # the node's staging directory: its ranks stage each object once
         from ..sources import StagedSource
 
-        source = StagedSource(root, stage_dir, inner="shards")
+        source = StagedSource(root, stage_dir, inner="shards", progress=None)
     dataset = fastmm.MultimodalDataset(root if source is None else None, source=source or kind,
                                        decoder="torchvision", reduce=True, size=SIZE,
                                        modality="image", transform=lambda item: item["image"])
@@ -103,8 +111,9 @@ def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
     return figures
 
 
-def layouts(root: str, work: str, shard_sizes: list[int]) -> dict[str, str]:
-    """layout name -> what MultimodalDataset opens: the file tree, and shards of each size."""
+def layouts(root: str, work: str, shard_sizes: list[int], store) -> dict[str, str]:
+    """layout name -> what MultimodalDataset opens: the file tree, shards of each size, and
+    the largest in the S3 ``store`` (a LocalS3), in place and staged."""
     from ..sources import open_source
     from ..sources.shards import write_shards
 
@@ -116,33 +125,48 @@ def layouts(root: str, work: str, shard_sizes: list[int]) -> dict[str, str]:
         directory = os.path.join(work, name)
         write_shards([(s.key, s.members) for s in samples], directory, max_bytes=size)
         out[name] = directory
-    out["staged"] = directory  # the largest shards, staged to local disk by every job first
+    store.upload_dir(directory, "corpus", "shards/")
+    out["s3"] = "s3://corpus/shards"  # the largest shards, read in place from the store
+    out["staged"] = out["s3"]  # the same objects, staged by each node first
     return out
 
 
-def run_job(plan: list, world: int, work: str, args) -> dict:
-    """One torchrun job at a world size that reads every (round, layout) of ``plan`` in turn:
-    {(round, layout): its figures condensed over the ranks}, or {"error": ...}. One job, not
-    one per layout and round: starting torch in every rank costs more than reading this corpus
-    (the process start, the same for every layout, is reported once)."""
-    out = os.path.join(work, f"world-{world}")
+def configurations(worlds: list[int], nodes: list[int]) -> list[tuple[str, int, int]]:
+    """(label, nodes, ranks per node): each world size on one node, then the largest one
+    split over each node count that divides it."""
+    top = max(worlds)
+    return ([(f"world {w}", 1, w) for w in worlds]
+            + [(f"world {top}, {n} nodes", n, top // n) for n in nodes
+               if n > 1 and top % n == 0])
+
+
+def run_job(plan: list, config: tuple[str, int, int], work: str, args, env: dict) -> dict:
+    """One torchrun job of a configuration (one launch per node, see ``bench.nodes``) that
+    reads every (round, layout) of ``plan`` in turn: {(round, layout): its figures condensed
+    over the ranks}, or {"error": ...}. One job, not one per layout and round: starting torch
+    in every rank costs more than reading this corpus (the process start, the same for every
+    layout, is reported once)."""
+    from .nodes import launch_nodes
+
+    label, nnodes, per_node = config
+    world = nnodes * per_node
+    out = os.path.join(work, label.replace(" ", "-").replace(",", ""))
     os.makedirs(out)
     with open(os.path.join(out, "plan.json"), "w") as f:
         json.dump(plan, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", "-m", "fastmm.bench.study_shards", "--rank-job",
-           os.path.join(out, "plan.json"), out, str(args.batch), str(args.num_workers),
-           str(args.epochs)]
-    tail = collections.deque(maxlen=40)
-    with subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as job:
-        for line in job.stderr:  # rank 0's progress through, the rest kept for an error
-            if line.startswith("[shards]"):
-                print(line, end="", file=sys.stderr, flush=True)
-            else:
-                tail.append(line)
-    if job.returncode != 0:
-        return {"error": "".join(tail)[-2000:]}
+
+    def echo(node: int, line: str) -> None:  # rank 0's progress
+        if line.startswith("[shards]"):
+            print(line, end="", file=sys.stderr, flush=True)
+
+    runs = launch_nodes(nnodes, per_node, [
+        "-m", "fastmm.bench.study_shards", "--rank-job", os.path.join(out, "plan.json"), out,
+        str(args.batch), str(args.num_workers), str(args.epochs)],
+        env={**env, "OMP_NUM_THREADS": "1"}, timeout_s=args.job_timeout_s, on_line=echo)
+    failed = [r for r in runs if r.returncode != 0]
+    if failed:
+        lines = [x for x in failed[0].output.splitlines(True) if not x.startswith("[shards]")]
+        return {"error": f"node {failed[0].node}: " + "".join(lines)[-2000:]}
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     figures = {"ready_s": stats.summarize([r["ready_s"] for r in ranks])["median"]}
     for i, (rep, name, _) in enumerate(plan):
@@ -158,6 +182,11 @@ def run_job(plan: list, world: int, work: str, args) -> dict:
         }
         if "staging_cost" in runs[0]:
             figures[rep, name]["staging_s"] = max(r["staging_cost"]["seconds"] for r in runs)
+            copied = collections.Counter()
+            for rank, r in zip(ranks, runs):
+                copied[rank["node"]] += r["staging_cost"]["files"]
+            figures[rep, name]["staged_once_per_node"] = (
+                len(copied) == nnodes and len(set(copied.values())) == 1)
     return figures
 
 
@@ -167,7 +196,7 @@ def summarize_runs(key: str, figs: list[dict], runs: dict[str, list]) -> dict:
     ok = [f for f in figs if "error" not in f]
     if len(ok) < len(figs):
         return {"error": next(f["error"] for f in figs if "error" in f)}
-    baseline = runs.get("files / world " + key.rsplit(" ", 1)[1], [])
+    baseline = runs.get("files / " + key.split(" / ", 1)[1], [])
     entry = {
         "reps": len(ok),
         "per_rank_samples_per_s": stats.summarize([f["rate"] for f in ok]),
@@ -180,6 +209,7 @@ def summarize_runs(key: str, figs: list[dict], runs: dict[str, list]) -> dict:
     }
     if "staging_s" in ok[0]:
         entry["staging_s"] = stats.summarize([f["staging_s"] for f in ok])
+        entry["staged_once_per_node"] = all(f["staged_once_per_node"] for f in ok)
     return entry
 
 
@@ -190,20 +220,22 @@ def run(args) -> dict:
     runs: dict[str, list] = {}
     ready: dict[str, float] = {}
     try:
-        where = layouts(root, work, args.shard_bytes)
-        names = list(where)
-        # interleaved: every layout once per round, each round starting one layout later
-        plan = [(rep, name, where[name]) for rep in range(args.reps)
-                for name in harness.rotated(names, rep)]
-        for world in args.worlds:
-            figures = run_job(plan, world, work, args)
-            if "ready_s" in figures:
-                ready[f"world {world}"] = figures["ready_s"]
-            for name in names:
-                runs[f"{name} / world {world}"] = [figures.get((rep, name), figures)
-                                                   for rep in range(args.reps)]
-            if "error" in figures:
-                print(f"[shards] world {world}: FAILED", file=sys.stderr, flush=True)
+        with LocalS3(latency_s=args.store_latency_ms / 1e3,
+                     bytes_per_s=args.store_mb_per_s * 1e6) as store:
+            where = layouts(root, work, args.shard_bytes, store)
+            names = list(where)
+            # interleaved: every layout once per round, each round starting one layout later
+            plan = [(rep, name, where[name]) for rep in range(args.reps)
+                    for name in harness.rotated(names, rep)]
+            for config in configurations(args.worlds, args.nodes):
+                figures = run_job(plan, config, work, args, {**os.environ, **store.env})
+                if "ready_s" in figures:
+                    ready[config[0]] = figures["ready_s"]
+                for name in names:
+                    runs[f"{name} / {config[0]}"] = [figures.get((rep, name), figures)
+                                                     for rep in range(args.reps)]
+                if "error" in figures:
+                    print(f"[shards] {config[0]}: FAILED", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = {key: summarize_runs(key, figs, runs) for key, figs in runs.items()}
@@ -212,6 +244,9 @@ def run(args) -> dict:
                                                         "num_workers": args.num_workers},
                                          paths=[args.work_dir or tempfile.gettempdir()]),
               "images": args.images, "epochs": args.epochs, "reps": args.reps,
+              "store": {"kind": "S3 protocol (moto's server) on 127.0.0.1, through a proxy",
+                        "mb_per_s_per_connection": args.store_mb_per_s,
+                        "latency_ms": args.store_latency_ms},
               "process_ready_s": ready, "results": results,
               "busy": busy_notes("shards", [f.get("other_processes_cpu_cores")
                                             for figs in runs.values() for f in figs
@@ -221,24 +256,28 @@ def run(args) -> dict:
 
 
 def finding(result: dict) -> dict:
-    """Each layout's per-rank rate against a file per sample, at every world size; the call
-    is ``stats.decision``'s on the first shard layout at the largest world size (closest to a
-    real job), rolled back if its ranks did not all yield the same number of batches."""
+    """Each layout's per-rank rate against a file per sample, in every configuration; the call
+    is ``stats.decision``'s on the first shard layout at the largest one-node world size,
+    rolled back if its ranks did not all yield the same number of batches."""
     ok = {k: r for k, r in result["results"].items() if "error" not in r}
-    worlds = sorted({int(k.rsplit(" ", 1)[1]) for k in ok}, reverse=True)
-    if not worlds:
+    configs = list(dict.fromkeys(k.split(" / ", 1)[1] for k in ok))  # in the order run
+    if not configs:
         return {"text": "Every torchrun job failed: nothing measured.", "call": "undecided",
                 "label": "not measured: the jobs failed"}
     sentences = []
-    for w in worlds:
+    for c in configs:
         rows = [(k.split(" / ")[0], r) for k, r in ok.items()
-                if k.endswith(f" / world {w}") and not k.startswith("files ")]
-        sentences.append(f"at world size {w}, " + "; ".join(
+                if k.endswith(f" / {c}") and not k.startswith("files ")]
+        sentences.append(f"at {c}, " + "; ".join(
             f"{layout} {stats.interval(r['vs_files'], 2, 'x')}" for layout, r in rows))
     text = ("Per-rank samples/s against a file per sample (torchrun, every rank on this "
             "machine's cores): " + "; ".join(sentences) + ".")
-    top = next((k for k in ok if k.startswith("shards-") and k.endswith(f" / world {worlds[0]}")),
-               None)
+    once = [k for k, r in ok.items() if r.get("staged_once_per_node") is False]
+    if once:
+        text += f" Staging copied an object more than once on a node in: {', '.join(once)}."
+    single = [c for c in configs if "nodes" not in c]
+    at = max(single, key=lambda c: int(c.split()[1])) if single else configs[-1]
+    top = next((k for k in ok if k.startswith("shards-") and k.endswith(f" / {at}")), None)
     if top is None:
         return {"text": text, "call": "undecided", "label": "no shard layout measured"}
     call, label = stats.decision(ok[top]["vs_files"], ok=ok[top]["equal_batches"])
@@ -273,6 +312,13 @@ def _setup(result: dict) -> list[str]:
         + (", ".join(f"{s:.1f} s at {w}" for w, s in result.get("process_ready_s", {}).items())
            or "-")
         + " from process start to a ready process group (imports, rendezvous).",
+        f"Layouts \"s3\" and \"staged\": the largest shards in an "
+        f"{result['store']['kind']}, {result['store']['mb_per_s_per_connection']:g} MB/s per "
+        f"connection, {result['store']['latency_ms']:g} ms per request; \"s3\" reads them in "
+        "place (one ranged GET per sample), \"staged\" first copies them into the node's "
+        "own staging directory (its ranks sharing the copy). \"N nodes\": "
+        "N torchrun launches (--nnodes N --node_rank K) meeting at 127.0.0.1, as a cluster "
+        "scheduler starts one per host; all on this machine's cores.",
     ]
 
 
@@ -290,7 +336,9 @@ def _rows(result: dict) -> list[list[str]]:
         rows.append([name, stats.interval(r["per_rank_samples_per_s"], 1),
                      stats.interval(r["vs_files"], 2, "x"),
                      stats.interval(r["slowest_over_fastest"], 2),
-                     stats.interval(r["startup_s"], 2), stats.interval(r.get("staging_s"), 2),
+                     stats.interval(r["startup_s"], 2),
+                     stats.interval(r.get("staging_s"), 2)
+                     + ("" if r.get("staged_once_per_node", True) else " (copied twice)"),
                      "yes" if r["equal_batches"] else "NO"])
     return rows
 
@@ -314,6 +362,14 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=options.whole(1), default=2)
     p.add_argument("--reps", type=options.whole(1), default=6,
                    help="repetitions, interleaved (default 6, the fewest that give a 95%% CI)")
+    p.add_argument("--nodes", type=options.listed(options.whole(1)), default="2",
+                   help="also run the largest world size as this many node launches")
+    p.add_argument("--store-mb-per-s", type=options.number(0), default=100.0,
+                   help="the S3 store's bandwidth per connection")
+    p.add_argument("--store-latency-ms", type=options.number(0, above=False), default=5.0,
+                   help="the S3 store's latency per request")
+    p.add_argument("--job-timeout-s", type=options.number(0), default=3600.0,
+                   help="a torchrun job still running then is killed and reported FAILED")
     p.add_argument("--seed", type=options.whole(0), default=0)
     p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
     p.add_argument("--work-dir", type=options.directory, default=None)
