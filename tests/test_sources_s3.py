@@ -261,3 +261,19 @@ def test_loader_and_shard_stream_over_a_slow_faulty_store(s3, tmp_path):
     assert len(per_rank[0]) == len(per_rank[1])
     assert {k for r in per_rank for b in r for k in b} == set(got)
     assert all(f.hits == 1 for f in s3.faults)
+
+
+@pytest.mark.slow
+def test_the_client_comparison_measures_and_checks_bytes(tmp_path):
+    """python -m fastmm.bench.s3_clients on boto3 (the pick): every GET's bytes checked, the
+    figures recorded, and the client working in a forked child both ways."""
+    from fastmm.bench import s3_clients
+
+    assert s3_clients.main(["--quick", "--reps", "2", "--clients", "boto3",
+                            "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "s3_clients.json").read_text())
+    r = result["results"]["boto3"]
+    assert r["ranged_ms"]["n"] == 2 and 0 < r["ranged_cpu_ms"]["median"] <= r["ranged_ms"]["max"] * 2
+    assert r["stream_mb_per_s"]["median"] > 0
+    assert result["after_fork"]["boto3"] == {"inherited": "ok", "made in the child": "ok"}
+    assert "| boto3 " in (tmp_path / "s3_clients.md").read_text()
