@@ -158,7 +158,10 @@ def report(result: dict) -> str:
              f"{w['gets_per_round']} ranged GETs of {w['span_bytes'] // 1000} kB at random "
              f"offsets, and {w['streams_per_round']} whole reads of a "
              f"{w['object_bytes'] / 1e6:.0f} MB object, per round; server: {w['server']}. "
-             f"Command: `{result['environment']['command']}`.", "",
+             f"Command: `{result['environment']['command']}`; fastmm commit "
+             f"`{result['environment']['git']['commit']}`; {result['environment']['cpu_model']}"
+             f", {result['environment']['cpu_count_usable']} cores. Intervals: {stats.CI_METHOD}.",
+             "",
              "| client | ms per ranged GET | client CPU ms per GET | streaming MB/s | "
              "in a forked child: client inherited / made there |", "|---|---|---|---|---|"]
     for name, r in result["results"].items():
