@@ -277,3 +277,19 @@ def test_the_client_comparison_measures_and_checks_bytes(tmp_path):
     assert r["stream_mb_per_s"]["median"] > 0
     assert result["after_fork"]["boto3"] == {"inherited": "ok", "made in the child": "ok"}
     assert "| boto3 " in (tmp_path / "s3_clients.md").read_text()
+
+
+def test_retry_and_wait_settings_come_from_arguments_then_the_environment(monkeypatch):
+    monkeypatch.setenv("FASTMM_S3_ATTEMPTS", "3")
+    monkeypatch.setenv("FASTMM_S3_TIMEOUT_S", "2.5")
+    assert (S3Store().attempts, S3Store().timeout_s) == (3, 2.5)
+    assert (S3Store(attempts=7).attempts, S3Store(timeout_s=9).timeout_s) == (7, 9)
+    monkeypatch.setenv("FASTMM_S3_ATTEMPTS", "0")
+    with pytest.raises(fastmm.ConfigError, match="FASTMM_S3_ATTEMPTS='0' must be at least 1"):
+        S3Store()
+    monkeypatch.setenv("FASTMM_S3_ATTEMPTS", "2")
+    monkeypatch.setenv("FASTMM_S3_TIMEOUT_S", "soon")
+    with pytest.raises(fastmm.ConfigError, match="FASTMM_S3_TIMEOUT_S='soon'"):
+        S3Store()
+    with pytest.raises(ValueError, match="attempts=0"):
+        S3Store(attempts=0)

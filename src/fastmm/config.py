@@ -313,3 +313,35 @@ def _env_int(name: str, default: int, *, low: int) -> int:
     if value < low:
         raise ConfigError(f"{name}={raw!r} must be at least {low}")
     return value
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be a finite number of seconds above 0")
+    return value
+
+
+@dataclass(frozen=True)
+class ObjectStoreConfig:
+    """How s3:// reads retry and wait (endpoint, region and credentials come from the AWS
+    chain: AWS_* variables, ~/.aws/config and ~/.aws/credentials)."""
+
+    attempts: int = 5  # FASTMM_S3_ATTEMPTS: tries per request and per resumed read
+    timeout_s: float = 30.0  # FASTMM_S3_TIMEOUT_S: connect and per-read socket wait
+
+    @classmethod
+    def resolve(cls, *, attempts: int | None = None,
+                timeout_s: float | None = None) -> "ObjectStoreConfig":
+        """Explicit arguments win; the environment is read only for what is not given."""
+        return cls(
+            attempts=attempts if attempts is not None else _env_int("FASTMM_S3_ATTEMPTS", 5,
+                                                                    low=1),
+            timeout_s=timeout_s if timeout_s is not None else _env_seconds(
+                "FASTMM_S3_TIMEOUT_S", 30.0))

@@ -23,6 +23,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from ..config import ObjectStoreConfig
+
 SCHEME = "s3://"
 
 
@@ -62,14 +64,16 @@ _RUN_ERRORS = {  # S3 error codes that no retry or other object can fix
 
 
 class S3Store:
-    """A boto3 S3 client made lazily in each process (a client does not survive fork or
-    pickling), with bounded retries and timeouts. ``attempts``: tries per request and per
-    resumed read; ``timeout_s``: connect and per-read socket timeout."""
+    """A boto3 S3 client made lazily in each process (a client does not survive pickling,
+    and one made before a fork is not the child's), with bounded retries and timeouts.
+    ``attempts``: tries per request and per resumed read (default FASTMM_S3_ATTEMPTS, then
+    5); ``timeout_s``: connect and per-read socket timeout (FASTMM_S3_TIMEOUT_S, then 30)."""
 
-    def __init__(self, *, attempts: int = 5, timeout_s: float = 30.0):
-        if attempts < 1 or timeout_s <= 0:
+    def __init__(self, *, attempts: int | None = None, timeout_s: float | None = None):
+        if (attempts is not None and attempts < 1) or (timeout_s is not None and timeout_s <= 0):
             raise ValueError(f"attempts={attempts} (>= 1), timeout_s={timeout_s} (> 0)")
-        self.attempts, self.timeout_s = attempts, timeout_s
+        config = ObjectStoreConfig.resolve(attempts=attempts, timeout_s=timeout_s)
+        self.attempts, self.timeout_s = config.attempts, config.timeout_s
         self._client, self._pid = None, None
         self.stats = {"requests": 0, "resumed": 0, "bytes": 0}  # this process's
 

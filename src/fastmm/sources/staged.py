@@ -163,7 +163,7 @@ class StagedSource(Source):
         self._url = root.startswith(("http://", "https://"))
         self._s3 = None
         if is_s3(root):
-            self._s3 = inner_options.pop("store", None) or S3Store(timeout_s=timeout_s)
+            self._s3 = inner_options.pop("store", None) or S3Store()
             self._s3.check(self.remote + "/")  # credentials, bucket, endpoint: a clear error now
         # each corpus in a directory of its own: a training and a validation set staged under
         # one FASTMM_STAGE_DIR share file names (shard-000000.tar), and must not share copies
