@@ -8,12 +8,14 @@ link to its own report. Parts (each its own process, its own environment record 
    batch);
 2. ``pipeline``: a decode-bound image pipeline end to end on a training step, torch's loader
    against fastmm's (fastmm-bench on examples/image_folder.py): the headline figures;
-3. ``staging``: study 1, NVMe staging against reading in place from throttled storage;
+3. ``staging``: study 1, NVMe staging against reading in place from throttled storage (files
+   over HTTP, and tar shards in a local S3 store);
 4. ``gpu-decode``: study 2, decode in the CPU workers or on the GPU next to a model step (its
    GPU arms only where CUDA is);
 5. ``decode-rates``, where CUDA is: nvJPEG and NVDEC against CPU cores (the crossover);
-6. ``shards``: study 3, a file per sample against 1 MB tar shards and those shards staged,
-   in real torchrun (gloo) jobs at world size 2 and 4.
+6. ``shards``: study 3, a file per sample against 1 MB tar shards, those shards in a local S3
+   store read in place and staged per node, in real torchrun (gloo) jobs at world size 2 and 4,
+   and at 4 as two node launches.
 
 Run: ``python -m fastmm.bench.suite --out DIR`` (``--quick``: a smoke run of a few minutes).
 """
