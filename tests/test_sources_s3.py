@@ -96,6 +96,28 @@ def test_a_stream_through_a_shard_is_one_get_and_random_reads_one_each(s3):
     assert _gets(s3) - before == 4
 
 
+def test_a_published_index_opens_without_a_scan_and_headers_catch_a_changed_shard(s3, tmp_path):
+    d = tmp_path / "pub"
+    write_shards(_samples(12), str(d), max_count=4)
+    local = ShardSource(str(d), index_cache="beside", progress=None)
+    assert local.keys() and len(list(d.glob(".*.fastmm-idx.json"))) == 3  # published beside
+    s3.upload_dir(str(d), BUCKET, "indexed/")
+    before = _gets(s3)
+    src = ShardSource(f"s3://{BUCKET}/indexed/", index_cache="beside", progress=None)
+    assert src.keys() == local.keys()
+    assert _gets(s3) - before == 2 + 3  # the listing (check, list), a small GET per shard
+    assert [src.read(i).members for i in range(12)] == [m for _, m in _samples(12)]
+    # the same size, another layout: sample 5's header no longer where the index says
+    data = bytearray((d / "shard-000001.tar").read_bytes())
+    at = src._index()[5][3][0][1] - 512
+    data[at + 124:at + 136] = b"00000000001\0"  # its size field, checksum now wrong
+    s3.client().put_object(Bucket=BUCKET, Key="indexed/shard-000001.tar", Body=bytes(data))
+    stale = ShardSource(f"s3://{BUCKET}/indexed/", index_cache="beside", progress=None,
+                        on_error="skip")
+    assert stale.read(5).members == {} and stale.skipped == {"stale_index": 1}
+    assert stale.read(4).members == _samples(12)[4][1]
+
+
 def test_manifest_and_tree_of_objects_read_as_local(s3):
     local = PosixSource(str(s3.local / "manifest.jsonl"))
     remote = PosixSource(f"s3://{BUCKET}/manifest.jsonl")

@@ -2,7 +2,8 @@
 shards of several sizes (read by offset index), against the largest shards in an S3 store (moto's
 server on 127.0.0.1 behind a proxy with a latency per request and a bandwidth cap per
 connection) read in place by ranged GETs, and against those objects staged to a node-local
-directory first, under ``torchrun`` (gloo) at world size 2 and 4 on this machine, and at the
+directory first (the store holds each shard's offset index beside it, as a publisher uploads
+it), under ``torchrun`` (gloo) at world size 2 and 4 on this machine, and at the
 largest world size as two node launches (``--nnodes 2``, each node staging into its own
 directory, its ranks sharing the copy). The one factor is the data layout; decode (torchvision
 backend, fast path, 224 px), sampler (fastmm.DistributedSampler, seed 0), batch and workers are
@@ -83,6 +84,8 @@ def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
 
     opened = time.perf_counter()
     kind = {"files": "posix", "staged": "staged"}.get(name, "shards")
+    # in the store: the index published beside each shard, not a scan of every shard by every rank
+    source_options = {"index_cache": "beside"} if name == "s3" else {}
     source = None
     if kind == "staged":  # the node's staging directory: its ranks stage each object once
         from ..sources import StagedSource
@@ -90,7 +93,8 @@ def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
         source = StagedSource(root, stage_dir, inner="shards", progress=None)
     dataset = fastmm.MultimodalDataset(root if source is None else None, source=source or kind,
                                        decoder="torchvision", reduce=True, size=SIZE,
-                                       modality="image", transform=lambda item: item["image"])
+                                       modality="image", transform=lambda item: item["image"],
+                                       **source_options)
     sampler = fastmm.DistributedSampler(dataset, seed=0)
     loader = fastmm.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers)
     figures = {"epochs": []}
@@ -114,7 +118,7 @@ def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
 def layouts(root: str, work: str, shard_sizes: list[int], store) -> dict[str, str]:
     """layout name -> what MultimodalDataset opens: the file tree, shards of each size, and
     the largest in the S3 ``store`` (a LocalS3), in place and staged."""
-    from ..sources import open_source
+    from ..sources import ShardSource, open_source
     from ..sources.shards import write_shards
 
     out = {"files": os.path.join(root, "posix", "manifest.jsonl")}
@@ -125,6 +129,7 @@ def layouts(root: str, work: str, shard_sizes: list[int], store) -> dict[str, st
         directory = os.path.join(work, name)
         write_shards([(s.key, s.members) for s in samples], directory, max_bytes=size)
         out[name] = directory
+    ShardSource(directory, index_cache="beside", progress=None).keys()  # published with them
     store.upload_dir(directory, "corpus", "shards/")
     out["s3"] = "s3://corpus/shards"  # the largest shards, read in place from the store
     out["staged"] = out["s3"]  # the same objects, staged by each node first

@@ -247,8 +247,11 @@ class ShardSource(Source):
 
     Random access (``keys``/``read``) uses an offset index built by one header scan per shard,
     kept in memory, or with ``index_cache="beside"`` also in ``.<shard>.fastmm-idx.json`` next
-    to the shard (reused while the shard's size and mtime match; local shards only). Over S3 a
-    scan streams the shard front to back and ``read`` is one ranged GET per sample. ``iter_samples`` reads shards
+    to the shard (reused while the shard's size and mtime match). Over S3 a scan streams the
+    shard front to back, unless ``index_cache="beside"`` finds that index published beside the
+    shard (uploaded with it) for a shard of its size: then opening costs one small GET per
+    shard, and every read checks its sample's tar header against the index ("stale_index"
+    where they differ). ``read`` is one ranged GET per sample. ``iter_samples`` reads shards
     sequentially without the index; whole shards go round-robin to (rank, worker) pairs in
     webdataset's order (see ``slot_of``). Indexing that runs over 5 s sends a line to
     ``progress`` (default: stderr; None for none) every 5 s and when it ends."""
@@ -304,8 +307,6 @@ class ShardSource(Source):
             raise FileNotFoundError(errno.ENOENT, "no shard directory or shard", root)
         if index_cache not in ("memory", "beside"):
             raise ValueError(f"index_cache={index_cache!r}; use 'memory' or 'beside'")
-        if index_cache == "beside" and self._store is not None:
-            raise ValueError("index_cache='beside' writes next to the shards: local shards only")
         self.required = tuple(required)
         self.max_member_bytes = max_member_bytes
         self.index_cache = index_cache
@@ -360,13 +361,31 @@ class ShardSource(Source):
             self.report(problem[0], os.path.basename(shard), shard, problem[1])
         return f
 
+    def _published_index(self, shard: str, cache: str) -> list | None:
+        """The index published beside a shard in the store, if it is for an object of this
+        size and could describe it (the mtime it was made with is the publisher's, not the
+        object's: reads check headers instead), else None."""
+        try:
+            saved = json.loads(self._store.read(cache))
+            size = self._object(shard).size
+            if (saved["stamp"][0] == size and saved["stamp"][2] == self.max_member_bytes
+                    and _valid_index(saved["entries"], size)):
+                return saved["entries"]
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass  # none published, or not usable: the shard is scanned
+        return None
+
     def _scan(self, shard: str) -> list:
         cache = os.path.join(os.path.dirname(shard), f".{os.path.basename(shard)}.fastmm-idx.json")
+        if self._store is not None and self.index_cache == "beside":
+            entries = self._published_index(shard, cache)
+            if entries is not None:
+                return entries
         f, problem = self._open_or_problem(shard)
         if problem is not None:  # one damaged entry stands for the shard's unknown samples
             return [[os.path.basename(shard), 0, [], list(problem)]]
         with f:
-            if self.index_cache == "beside":
+            if self.index_cache == "beside" and self._store is None:
                 st = os.fstat(f.fileno())
                 stamp = [st.st_size, st.st_mtime_ns, self.max_member_bytes]
                 try:
@@ -387,7 +406,7 @@ class ShardSource(Source):
                     raise
                 # one damaged entry stands for the samples after the last one indexed
                 return entries + [[os.path.basename(shard), 0, [], ["unreadable", str(e)]]]
-        if self.index_cache == "beside":
+        if self.index_cache == "beside" and self._store is None:
             tmp = f"{cache}.{os.getpid()}.tmp"
             try:  # a read-only shard directory just means the index stays in memory
                 with open(tmp, "w", encoding="utf-8") as c:
@@ -442,12 +461,17 @@ class ShardSource(Source):
             return Sample(key, {}, origin)
         start = members[0][1]
         end = max(off + size for _, off, size in members)
-        if self._store is not None:
+        if self._store is not None:  # from the first member's header, to check it
             try:
-                blob = self._read_object_span(s, start, end)
+                blob = self._read_object_span(s, start - BLOCK, end)
             except OSError as e:  # gone, changed, or the store failing past its retries
                 self.report("unreadable", key, origin, str(e))
                 return Sample(key, {}, origin)
+            if len(blob) >= BLOCK and not _header_says(blob[:BLOCK], members[0][2]):
+                self.report("stale_index", key, origin, "the shard's tar header there does "
+                            "not match its index (the object changed since it was indexed)")
+                return Sample(key, {}, origin)
+            blob = blob[BLOCK:]
         else:
             f, problem = self._open_or_problem(self.shards[s], buffering=0)
             if problem is not None:  # gone or unreadable since it was indexed
@@ -527,6 +551,18 @@ class ShardSource(Source):
                     if e.errno in NOT_SAMPLE_ERRNOS:
                         raise
                     self.report("unreadable", os.path.basename(shard), shard, str(e))
+
+
+def _header_says(block: bytes, size: int) -> bool:
+    """Whether ``block`` is a tar header with a valid checksum for a member of ``size`` bytes
+    (a pax size record is not visible here: a member over 8 GiB is taken on trust)."""
+    try:
+        stored, said = _num(block[148:156]), _num(block[124:136])
+    except ValueError:
+        return False
+    checks = (sum(block[:148]) + 256 + sum(block[156:]),
+              sum(struct.unpack("148b8x356b", block)) + 256)
+    return stored in checks and (said == size or size >= 8 << 30)
 
 
 def _read_span(fd: int, start: int, size: int) -> bytes:
