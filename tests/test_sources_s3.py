@@ -12,6 +12,7 @@ import os
 import time
 
 import pytest
+import torch
 
 import fastmm
 from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
@@ -116,6 +117,47 @@ def test_a_published_index_opens_without_a_scan_and_headers_catch_a_changed_shar
                         on_error="skip")
     assert stale.read(5).members == {} and stale.skipped == {"stale_index": 1}
     assert stale.read(4).members == _samples(12)[4][1]
+
+
+@pytest.mark.parametrize("root", ["shards/", "manifest.jsonl"])
+def test_a_batch_from_the_store_is_fetched_at_once_and_each_sample_as_alone(s3, root):
+    """MultimodalDataset.__getitems__ (torch's batched fetch) starts the batch's GETs together,
+    over shards and over a manifest of objects; the items are those read one by one, and a
+    missing object in the batch is counted under skip while the rest come."""
+    from PIL import Image
+
+    local = s3.local / "img"
+    local.mkdir(exist_ok=True)
+    lines = []
+    for i in range(6):
+        Image.new("RGB", (20 + i, 16), (40 * i, 0, 0)).save(local / f"k{i}.png")
+        lines.append({"key": f"k{i}", "members": {"png": f"img/k{i}.png"}})
+    lines.append({"key": "gone", "members": {"png": "img/none.png"}})
+    s3.upload_dir(str(local), BUCKET, "img/")
+    write_shards([(f"k{i}", {"png": (local / f"k{i}.png").read_bytes()}) for i in range(6)],
+                 str(s3.local / "imgshards"), max_count=2)
+    s3.upload_dir(str(s3.local / "imgshards"), BUCKET, "imgshards/")
+    s3.client().put_object(Bucket=BUCKET, Key="imgs.jsonl",
+                           Body="".join(json.dumps(x) + "\n" for x in lines).encode())
+    url = f"s3://{BUCKET}/" + ("imgshards/" if root == "shards/" else "imgs.jsonl")
+    kind = "shards" if root == "shards/" else "posix"
+
+    def dataset():
+        return fastmm.MultimodalDataset(url, source=kind, size=8, crop="center",
+                                        on_error="skip")
+
+    alone = [dataset()[i] for i in range(6)]
+    s3.latency_s, s3.most_in_flight = 0.2, 0
+    ds = dataset()
+    len(ds)
+    batch = ds.__getitems__([5, 0, 3, 1] + ([6] if kind == "posix" else []))
+    assert s3.most_in_flight >= 4  # a batch's GETs together, not one after another
+    assert [b["key"] for b in batch] == ["k5", "k0", "k3", "k1"]
+    for b in batch:
+        want = alone[int(b["key"][1:])]
+        assert torch.equal(b["image"], want["image"])
+    if kind == "posix":
+        assert ds.skipped == {"unreadable": 1}
 
 
 def test_manifest_and_tree_of_objects_read_as_local(s3):

@@ -336,6 +336,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self.fastmm_sample_watch = SampleWatch(deadline) if deadline else None
         self._said_unwatched = False  # warned that no loader enforces the deadline here
         self._items: list[int] | None = None
+        self._ahead: dict = {}  # source index -> a read in flight (__getitems__)
 
     def with_options(self, **changes) -> "MultimodalDataset":
         """A new dataset made from this one's arguments with ``changes`` (e.g. ``decoder=``,
@@ -401,9 +402,18 @@ class MultimodalDataset(torch.utils.data.Dataset):
         return self._get(index)
 
     def __getitems__(self, indices: list[int]) -> list:
-        """A batch's items; under on_error="skip" bad samples are left out of it."""
-        with sample_by_sample() as put:
-            items = [put(self._get(i), position) for position, i in enumerate(indices)]
+        """A batch's items; under on_error="skip" bad samples are left out of it. From an
+        object store the batch's samples are fetched at once, then decoded one by one."""
+        n = len(self._index())
+        self._ahead = self.source.read_ahead(
+            [self._items[i % n] for i in indices if isinstance(i, int) and -n <= i < n])
+        try:
+            with sample_by_sample() as put:
+                items = [put(self._get(i), position) for position, i in enumerate(indices)]
+        finally:
+            for future in self._ahead.values():  # the batch failed: what it left unread
+                future.cancel()
+            self._ahead = {}
         if self.on_error == "skip":
             items = [item for item in items if item is not None]
             if not items:
@@ -470,7 +480,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
 
     def _load(self, i: int) -> dict:
         with stage("read") as mark:
-            sample = self.source.read(i)
+            ahead = self._ahead.pop(i, None)
+            sample = self.source.read(i) if ahead is None else ahead.result()
             mark.bytes = sum(len(v) for v in sample.members.values())
         key = sample.key
         image = next((e for e in IMAGE_EXTS if e in sample.members), None)

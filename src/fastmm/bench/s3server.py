@@ -58,13 +58,15 @@ class LocalS3:
     """``with LocalS3() as s3:`` starts moto's server and the proxy, sets nothing globally;
     ``s3.env`` is the environment a client needs (endpoint = the proxy), ``s3.direct_env`` the
     one that bypasses the proxy (uploads). ``latency_s``, ``bytes_per_s`` and ``faults`` can be
-    changed while it runs; ``requests`` counts what the proxy forwarded or broke, by method."""
+    changed while it runs; ``requests`` counts what the proxy forwarded or broke, by method,
+    ``most_in_flight`` the most it answered at once."""
 
     def __init__(self, *, latency_s: float = 0.0, bytes_per_s: float | None = None):
         self.latency_s, self.bytes_per_s = latency_s, bytes_per_s
         self.faults: list[Fault] = []
         self.allowed_key = ACCESS_KEY
         self.requests: dict[str, int] = {}
+        self.in_flight = self.most_in_flight = 0  # requests the proxy is answering at once
         self._lock = threading.Lock()
 
     def __enter__(self) -> "LocalS3":
@@ -240,6 +242,16 @@ class LocalS3:
                         if ahead > 0:
                             time.sleep(ahead)
 
-            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+            def _counted(self) -> None:
+                with owner._lock:
+                    owner.in_flight += 1
+                    owner.most_in_flight = max(owner.most_in_flight, owner.in_flight)
+                try:
+                    self._forward()
+                finally:
+                    with owner._lock:
+                        owner.in_flight -= 1
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _counted
 
         return Handler

@@ -7,10 +7,12 @@ source can be tested, pickled into workers and reused without a tensor library.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, NamedTuple
 
@@ -120,6 +122,7 @@ class Source:
     as (reason, key, origin, message)."""
 
     kind = "base"
+    READ_AHEAD_THREADS = 16  # a batch's GETs in flight at once (boto3's connection pool holds 16)
 
     def __init__(self, *, on_error: OnReadError = "raise", keep_problems: int = 100, _errors=None):
         if on_error not in ("raise", "skip"):
@@ -137,6 +140,34 @@ class Source:
             raise SourceError(reason, key, origin, message)
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         self.problems.append(Problem(reason, key, origin, message))
+
+    @property
+    def reads_over_network(self) -> bool:
+        """Whether reads wait on a network (an object store): then ``read_ahead`` overlaps
+        them."""
+        return False
+
+    def read_ahead(self, indices: list[int]) -> dict[int, Future]:
+        """Start reading ``indices`` at once, for a remote source ({} for a local one, where
+        reads are quick): index -> a Future of what ``read`` would return or raise. A batch's
+        reads then wait on the store's latency once, not once per sample."""
+        if not self.reads_over_network or len(indices) < 2:
+            return {}
+        pool = self.__dict__.get("_ahead_pool")
+        if pool is None or pool[0] != os.getpid():  # threads do not survive a fork
+            pool = self.__dict__["_ahead_pool"] = (
+                os.getpid(), ThreadPoolExecutor(self.READ_AHEAD_THREADS, "fastmm-read"))
+        return {i: pool[1].submit(self.read_apart, i) for i in dict.fromkeys(indices)}
+
+    def read_apart(self, index: int) -> Sample:
+        """``read`` for a thread of its own: a source that keeps state between reads (a stream
+        through a shard) reads here without it."""
+        return self.read(index)
+
+    def __getstate__(self):  # a read-ahead pool stays in the process that made it
+        state = dict(self.__dict__)
+        state.pop("_ahead_pool", None)
+        return state
 
     def keys(self) -> list[str]:
         raise NotImplementedError

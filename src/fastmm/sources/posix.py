@@ -174,6 +174,10 @@ class PosixSource(Source):
 
     # -- reading -----------------------------------------------------------------------------
 
+    @property
+    def reads_over_network(self) -> bool:
+        return self._store is not None
+
     def keys(self) -> list[str]:
         return [e[0] for e in self._index()]
 

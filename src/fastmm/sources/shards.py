@@ -450,8 +450,18 @@ class ShardSource(Source):
     def damaged(self, index: int) -> bool:
         return self._index()[index][4] is not None
 
+    @property
+    def reads_over_network(self) -> bool:
+        return self._store is not None
+
     def read(self, index: int) -> Sample:
         """One sample by index: one seek and one read spanning its members."""
+        return self._read(index, stream=True)
+
+    def read_apart(self, index: int) -> Sample:
+        return self._read(index, stream=False)
+
+    def _read(self, index: int, stream: bool) -> Sample:
         s, key, offset, members, problem = self._index()[index]
         origin = f"{self.shards[s]}:{offset}"
         if problem is not None:
@@ -463,7 +473,9 @@ class ShardSource(Source):
         end = max(off + size for _, off, size in members)
         if self._store is not None:  # from the first member's header, to check it
             try:
-                blob = self._read_object_span(s, start - BLOCK, end)
+                blob = (self._read_object_span(s, start - BLOCK, end) if stream else
+                        self._store.read(self.shards[s], start - BLOCK, end - start + BLOCK,
+                                         self._object(self.shards[s]).etag))
             except OSError as e:  # gone, changed, or the store failing past its retries
                 self.report("unreadable", key, origin, str(e))
                 return Sample(key, {}, origin)
@@ -510,7 +522,7 @@ class ShardSource(Source):
         self._cursor = (-1, None, -1)
 
     def __getstate__(self):  # an open stream stays in the process that opened it
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state["_cursor"] = (-1, None, -1)
         return state
 
