@@ -1,5 +1,5 @@
 """Study 3, sharded storage in distributed training: a file per sample against WebDataset tar
-shards of several sizes (read by offset index), against the largest shards in an S3 store (moto's
+shards of several sizes (read by offset index), against the smallest shards in an S3 store (moto's
 server on 127.0.0.1 behind a proxy with a latency per request and a bandwidth cap per
 connection) read in place by ranged GETs, and against those objects staged to a node-local
 directory first (the store holds each shard's offset index beside it, as a publisher uploads
@@ -117,7 +117,9 @@ def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
 
 def layouts(root: str, work: str, shard_sizes: list[int], store) -> dict[str, str]:
     """layout name -> what MultimodalDataset opens: the file tree, shards of each size, and
-    the largest in the S3 ``store`` (a LocalS3), in place and staged."""
+    the smallest in the S3 ``store`` (a LocalS3), in place and staged. The smallest: moto's
+    server reads a whole object to answer a ranged GET of it, a cost a real store does not
+    have, and one that grows with the object."""
     from ..sources import ShardSource, open_source
     from ..sources.shards import write_shards
 
@@ -129,9 +131,11 @@ def layouts(root: str, work: str, shard_sizes: list[int], store) -> dict[str, st
         directory = os.path.join(work, name)
         write_shards([(s.key, s.members) for s in samples], directory, max_bytes=size)
         out[name] = directory
-    ShardSource(directory, index_cache="beside", progress=None).keys()  # published with them
-    store.upload_dir(directory, "corpus", "shards/")
-    out["s3"] = "s3://corpus/shards"  # the largest shards, read in place from the store
+        if size == min(shard_sizes):
+            smallest = directory
+    ShardSource(smallest, index_cache="beside", progress=None).keys()  # published with them
+    store.upload_dir(smallest, "corpus", "shards/")
+    out["s3"] = "s3://corpus/shards"  # the smallest shards, read in place from the store
     out["staged"] = out["s3"]  # the same objects, staged by each node first
     return out
 
@@ -317,10 +321,11 @@ def _setup(result: dict) -> list[str]:
         + (", ".join(f"{s:.1f} s at {w}" for w, s in result.get("process_ready_s", {}).items())
            or "-")
         + " from process start to a ready process group (imports, rendezvous).",
-        f"Layouts \"s3\" and \"staged\": the largest shards in an "
+        f"Layouts \"s3\" and \"staged\": the smallest shards in an "
         f"{result['store']['kind']}, {result['store']['mb_per_s_per_connection']:g} MB/s per "
         f"connection, {result['store']['latency_ms']:g} ms per request; \"s3\" reads them in "
-        "place (one ranged GET per sample), \"staged\" first copies them into the node's "
+        "place (a batch's ranged GETs at once; moto's server reads a whole object to answer "
+        "one, so the smallest shards), \"staged\" first copies them into the node's "
         "own staging directory (its ranks sharing the copy). \"N nodes\": "
         "N torchrun launches (--nnodes N --node_rank K) meeting at 127.0.0.1, as a cluster "
         "scheduler starts one per host; all on this machine's cores.",
