@@ -10,7 +10,7 @@ from .errors import FastmmWarning
 from .loader import DataLoader
 from .slabs import SharedMemoryError, uses_cpp
 from .stream import ShardStream
-from .sources import SourceError, StagingError
+from .sources import ObjectStoreError, SourceError, StagingError
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "DistributedSampler",
     "FastmmWarning",
     "MultimodalDataset",
+    "ObjectStoreError",
     "ResizedCrop",
     "ShardStream",
     "SharedMemoryError",

@@ -1,5 +1,6 @@
 """Storage sources: where sample bytes come from (a posix tree or manifest, a staged local copy,
-WebDataset tar shards). Sources deal in bytes only; decoding happens elsewhere.
+WebDataset tar shards), on local disks or in an S3 store (``s3://``). Sources deal in bytes
+only; decoding happens elsewhere.
 
 Every source has ``keys()``, ``len()``, ``read(index) -> Sample`` and
 ``iter_samples(rank, world_size, worker, num_workers)``; ``open_source`` picks one by name.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from ..config import SourceConfig
 from .base import Problem, Sample, Source, SourceError, slot_of
 from .posix import PosixSource
+from .s3 import ObjectStoreError, S3Store
 from .shards import ShardSource, write_shards
 from .staged import StagedSource, StagingError, write_file_manifest
 
@@ -32,8 +34,10 @@ def open_source(kind: str | None, root, **options) -> Source:
 
 
 __all__ = [
+    "ObjectStoreError",
     "PosixSource",
     "Problem",
+    "S3Store",
     "SOURCES",
     "Sample",
     "ShardSource",
