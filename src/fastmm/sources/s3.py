@@ -109,9 +109,9 @@ class S3Store:
         if isinstance(e, NoCredentialsError):
             return ObjectStoreError(f"{url}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
                                     "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or ~/.aws/credentials)")
-        if isinstance(e, EndpointConnectionError):
-            return ObjectStoreError(f"{url}: the endpoint cannot be reached after {self.attempts} "
-                                    f"tries: {e}")
+        if isinstance(e, EndpointConnectionError):  # at start, check() makes it the run's
+            return OSError(errno.EHOSTUNREACH, f"the endpoint cannot be reached after "
+                           f"{self.attempts} tries ({e})", url)
         if isinstance(e, ClientError):
             code = e.response.get("Error", {}).get("Code", "")
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
