@@ -29,7 +29,8 @@ def test_suite_runs_a_part_and_its_index_leads_with_its_finding(tmp_path, capsys
     seen = render(out / "index.html")
     assert seen["answer"][0] == (
         f"Study 1: NVMe staging: {finding['text']} Call: {finding['call']} ({finding['label']}).")
-    assert list(seen["plots"]) == ["staging-break-even", "staging-epoch-times"]
+    assert list(seen["plots"]) == ["staging-break-even", "staging-epoch-times",
+                                  "staging-break-even-object-store"]
     assert all(w == 1000 and h > 150 for w, h in seen["plots"].values())
     assert seen["links"] == ["staging/report.html"] * 2  # the parts table and the section
     assert (out / "staging" / "report.html").exists() and seen["external"] == []
