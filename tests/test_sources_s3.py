@@ -276,12 +276,9 @@ def test_wrong_credentials_or_no_bucket_fail_at_start(s3, tmp_path, kind):
 
 
 def test_an_unreachable_endpoint_fails_at_start_within_its_bound(monkeypatch):
-    import socket
+    from fastmm.bench.nodes import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here
-    for k, v in LocalS3()._env(port).items():
+    for k, v in LocalS3()._env(free_port()).items():  # nothing listens there
         monkeypatch.setenv(k, v)
     t0 = time.monotonic()
     with pytest.raises(ObjectStoreError, match="cannot be reached"):

@@ -22,7 +22,8 @@ class NodeRun:
     output: str
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on at 127.0.0.1 (the rendezvous's, a local server's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,7 +46,7 @@ def launch_nodes(nnodes: int, nproc_per_node: int, argv: list[str], *, env: dict
     and wait for all of them; ``on_line(node, line)`` sees their output as it comes. A launch
     that fails gets the others ``grace_s`` to end before they are killed (they would wait for
     it at the next collective); the time limit kills them all."""
-    port = _free_port()
+    port = free_port()
     procs, outputs, readers = [], [], []
     for node in range(nnodes):
         node_vars = {**(env if env is not None else os.environ),

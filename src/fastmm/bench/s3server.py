@@ -19,13 +19,9 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .nodes import free_port
+
 ACCESS_KEY, SECRET_KEY, REGION = "fastmm-test-key", "fastmm-test-secret", "us-east-1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -73,7 +69,7 @@ class LocalS3:
         exe = shutil.which("moto_server", path=os.path.dirname(sys.executable))
         if exe is None:
             raise RuntimeError("moto's server is not installed: pip install 'moto[server]'")
-        self.moto_port = _free_port()
+        self.moto_port = free_port()
         self._moto = subprocess.Popen(
             [exe, "-H", "127.0.0.1", "-p", str(self.moto_port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

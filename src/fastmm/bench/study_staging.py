@@ -124,34 +124,31 @@ def drop_page_cache(root: str) -> None:
                 os.close(fd)
 
 
-def epoch(base: str, paths: list[str], args) -> dict:
-    """One epoch through fastmm.DataLoader: seconds, samples/s and the digest of its batches."""
+def timed_epoch(dataset, args, images=lambda batch: batch) -> dict:
+    """One epoch of ``dataset`` through fastmm.DataLoader: seconds, samples/s and the digest
+    of its batches' ``images``."""
     import fastmm
 
-    torch.manual_seed(args.seed)
-    loader = fastmm.DataLoader(ImageFiles(base, paths), batch_size=args.batch,
-                               num_workers=args.num_workers)
+    loader = fastmm.DataLoader(dataset, batch_size=args.batch, num_workers=args.num_workers)
     digest, n = 0, 0
     t0 = time.perf_counter()
     for batch in loader:
-        digest = zlib.crc32(batch.numpy().tobytes(), digest)
-        n += len(batch)
+        pixels = images(batch)
+        digest = zlib.crc32(pixels.numpy().tobytes(), digest)
+        n += len(pixels)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "samples_per_s": n / seconds, "digest": f"{digest:08x}"}
+
+
+def epoch(base: str, paths: list[str], args) -> dict:
+    """One epoch of the image files under ``base`` (random crops, seeded alike in both arms)."""
+    torch.manual_seed(args.seed)
+    return timed_epoch(ImageFiles(base, paths), args)
 
 
 def shard_epoch(stream, args) -> dict:
-    """One epoch of a ShardStream through fastmm.DataLoader, as ``epoch`` times a Dataset."""
-    import fastmm
-
-    loader = fastmm.DataLoader(stream, batch_size=args.batch, num_workers=args.num_workers)
-    digest, n = 0, 0
-    t0 = time.perf_counter()
-    for batch in loader:
-        digest = zlib.crc32(batch["image"].numpy().tobytes(), digest)
-        n += len(batch["key"])
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "samples_per_s": n / seconds, "digest": f"{digest:08x}"}
+    """One epoch of a ShardStream's items."""
+    return timed_epoch(stream, args, images=lambda batch: batch["image"])
 
 
 def object_store_arm(root: str, work: str, args) -> dict:

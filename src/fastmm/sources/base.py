@@ -133,6 +133,7 @@ class Source:
         self.skipped: dict[str, int]
         self.problems: deque[Problem]
         self.skipped, self.problems = _errors
+        self._ahead_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads)
 
     def report(self, reason: str, key: str, origin: str, message: str) -> None:
         """Raise or count one problem, as on_error says."""
@@ -153,11 +154,11 @@ class Source:
         reads then wait on the store's latency once, not once per sample."""
         if not self.reads_over_network or len(indices) < 2:
             return {}
-        pool = self.__dict__.get("_ahead_pool")
-        if pool is None or pool[0] != os.getpid():  # threads do not survive a fork
-            pool = self.__dict__["_ahead_pool"] = (
-                os.getpid(), ThreadPoolExecutor(self.READ_AHEAD_THREADS, "fastmm-read"))
-        return {i: pool[1].submit(self.read_apart, i) for i in dict.fromkeys(indices)}
+        if self._ahead_pool is None or self._ahead_pool[0] != os.getpid():  # not after a fork
+            self._ahead_pool = (os.getpid(),
+                                ThreadPoolExecutor(self.READ_AHEAD_THREADS, "fastmm-read"))
+        pool = self._ahead_pool[1]
+        return {i: pool.submit(self.read_apart, i) for i in dict.fromkeys(indices)}
 
     def read_apart(self, index: int) -> Sample:
         """``read`` for a thread of its own: a source that keeps state between reads (a stream
@@ -165,9 +166,7 @@ class Source:
         return self.read(index)
 
     def __getstate__(self):  # a read-ahead pool stays in the process that made it
-        state = dict(self.__dict__)
-        state.pop("_ahead_pool", None)
-        return state
+        return {**self.__dict__, "_ahead_pool": None}
 
     def keys(self) -> list[str]:
         raise NotImplementedError

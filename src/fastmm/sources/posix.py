@@ -95,12 +95,7 @@ class PosixSource(Source):
         if self._files is not None:
             rels = sorted(self._files)
         elif self._store is not None:
-            prefix = self.root + "/"
-            listed = self._store.list(prefix)
-            if not listed:  # a typo, not an empty corpus
-                raise FileNotFoundError(errno.ENOENT, "no objects under the prefix", prefix)
-            rels = [o.url[len(prefix):] for o in listed]
-            rels = [r for r in rels if not any(p.startswith(".") for p in r.split("/"))]
+            rels = [rel for rel, _ in self._store.files_under(self.root)]
         else:
             rels = []
             for dirpath, dirnames, filenames in os.walk(self.root, onerror=unlisted.append):

@@ -131,12 +131,18 @@ class S3Store:
         try:
             self.client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
         except Exception as e:
-            err = self._fail(e, url)
-            raise (err if isinstance(err, ObjectStoreError) else ObjectStoreError(str(err))) from e
+            raise self._run_error(e, url) from e
 
-    def list(self, url: str) -> list[ObjectInfo]:
-        """Objects under the prefix ``url``, sorted by key (S3 lists in UTF-8 byte order)."""
-        bucket, prefix = split_url(url)
+    def _run_error(self, e: Exception, url: str) -> ObjectStoreError:
+        """``e`` met while listing: every failure there is the run's."""
+        err = self._fail(e, url)
+        return err if isinstance(err, ObjectStoreError) else ObjectStoreError(str(err))
+
+    def files_under(self, url: str) -> list[tuple[str, ObjectInfo]]:
+        """(path relative to ``url``, object) for each object under the "directory" ``url``,
+        sorted; names with a part starting with "." are left out, as a local walk leaves them.
+        FileNotFoundError where nothing is under it: a typo, not an empty corpus."""
+        bucket, prefix = split_url(url.rstrip("/") + "/")
         out = []
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(
@@ -147,9 +153,12 @@ class S3Store:
                     out.append(ObjectInfo(f"{SCHEME}{bucket}/{obj['Key']}", obj["Size"],
                                           obj["ETag"]))
         except Exception as e:
-            err = self._fail(e, url)
-            raise (err if isinstance(err, ObjectStoreError) else ObjectStoreError(str(err))) from e
-        return sorted(out, key=lambda o: o.url)
+            raise self._run_error(e, url) from e
+        if not out:
+            raise FileNotFoundError(errno.ENOENT, "no objects under the prefix", url)
+        rel = len(SCHEME) + len(bucket) + 1 + len(prefix)
+        return [(o.url[rel:], o) for o in sorted(out, key=lambda o: o.url)
+                if not any(part.startswith(".") for part in o.url[rel:].split("/"))]
 
     def head(self, url: str) -> ObjectInfo:
         bucket, key = split_url(url)

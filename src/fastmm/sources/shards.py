@@ -95,14 +95,10 @@ def iter_members(f, *, read_data: bool, max_member_bytes: int = 1 << 31) -> Iter
             size = _num(block[124:136])
         except ValueError:
             stored, size = -1, 0
-        unsigned = sum(block[:148]) + 256 + sum(block[156:])
-        signed = (
-            sum(struct.unpack("148b8x356b", block)) + 256
-        )  # some old writers summed signed bytes
         typeflag = block[156:157]
         if "size" in pax and typeflag not in (b"x", b"g"):
             size = int(pax["size"]) if pax["size"].isascii() and pax["size"].isdigit() else -1
-        if stored not in (unsigned, signed) or size < 0:
+        if stored not in _checksums(block) or size < 0:
             why = "header checksum does not match" if size >= 0 else "negative or garbled size"
             yield Member(None, "file", pos, pos, 0, problem=("bad_header", why))
             return
@@ -285,13 +281,8 @@ class ShardSource(Source):
                 self._objects = {root: self._store.head(root)}
                 self.shards = [root]
             else:  # a "directory": the .tar objects directly under it, as os.listdir sees
-                prefix = root.rstrip("/") + "/"
-                listed = self._store.list(prefix)
-                if not listed:  # a typo, not an empty corpus
-                    raise FileNotFoundError(errno.ENOENT, "no objects under the prefix", prefix)
-                self._objects = {o.url: o for o in listed if o.url.endswith(".tar")
-                                 and "/" not in o.url[len(prefix):]
-                                 and not o.url[len(prefix):].startswith(".")}
+                self._objects = {o.url: o for rel, o in self._store.files_under(root)
+                                 if rel.endswith(".tar") and "/" not in rel}
                 self.shards = list(self._objects)
         elif isinstance(root, (list, tuple)):
             self.shards = [os.path.abspath(p) for p in root]
@@ -572,9 +563,13 @@ def _header_says(block: bytes, size: int) -> bool:
         stored, said = _num(block[148:156]), _num(block[124:136])
     except ValueError:
         return False
-    checks = (sum(block[:148]) + 256 + sum(block[156:]),
-              sum(struct.unpack("148b8x356b", block)) + 256)
-    return stored in checks and (said == size or size >= 8 << 30)
+    return stored in _checksums(block) and (said == size or size >= 8 << 30)
+
+
+def _checksums(block: bytes) -> tuple[int, int]:
+    """The header checksum over unsigned bytes, and over signed ones (some old writers)."""
+    return (sum(block[:148]) + 256 + sum(block[156:]),
+            sum(struct.unpack("148b8x356b", block)) + 256)
 
 
 def _read_span(fd: int, start: int, size: int) -> bytes:

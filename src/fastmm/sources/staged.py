@@ -289,12 +289,8 @@ class StagedSource(Source):
                 text = f.read().decode("utf-8", "replace")  # a bad line fails as that line
         except (OSError, urllib.error.URLError) as e:
             if self._s3 is not None and isinstance(e, FileNotFoundError):  # no manifest: list
-                prefix = self.remote + "/"
-                listed = self._s3.list(prefix)
-                if not listed:  # a typo, not an empty corpus
-                    raise FileNotFoundError(errno.ENOENT, "no objects under the prefix", prefix)
-                return [RemoteFile(o.url[len(prefix):], o.size, etag=o.etag) for o in listed
-                        if not any(p.startswith(".") for p in o.url[len(prefix):].split("/"))]
+                return [RemoteFile(rel, o.size, etag=o.etag)
+                        for rel, o in self._s3.files_under(self.remote)]
             if self._url or self._s3 is not None:
                 raise SourceError(
                     "no_listing",
