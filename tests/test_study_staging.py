@@ -79,3 +79,16 @@ def test_staging_study_end_to_end(tmp_path):
         assert rep["staging_cost"]["files"] == arm["data"]["shards"]
         assert rep["in_place"]["seconds"] >= arm["data"]["bytes"] / (2 * cap)  # 2 workers
     assert study_staging.object_store_finding(arm) in finding["text"]
+    # the main job's index leads with the finding and shows the three plots inline
+    from fastmm.bench import suite
+
+    (tmp_path / "job").mkdir()
+    out.rename(tmp_path / "job" / "staging")
+    part = next(p for p in suite.PARTS if p.name == "staging")
+    suite.index(str(tmp_path / "job"), [(part, 0, 10.0)], 10.0)
+    seen = render(tmp_path / "job" / "index.html")
+    assert seen["answer"][0] == (
+        f"Study 1: NVMe staging: {finding['text']} Call: {finding['call']} ({finding['label']}).")
+    assert list(seen["plots"]) == ["staging-break-even", "staging-epoch-times",
+                                  "staging-break-even-object-store"]
+    assert all(w == 1000 and h > 150 for w, h in seen["plots"].values())

@@ -20,22 +20,23 @@ PARTS = {p.name: p for p in suite.PARTS}
 
 @pytest.mark.slow
 def test_suite_runs_a_part_and_its_index_leads_with_its_finding(tmp_path, capsys):
+    """A real run of one part (Study 2, the quickest) through the job's own command line."""
     out = tmp_path / "out"
-    assert suite.main(["--quick", "--only", "staging", "--out", str(out),
+    assert suite.main(["--quick", "--only", "gpu-decode", "--out", str(out),
                        "--cache-dir", str(tmp_path / "cache")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"report: {os.path.abspath(out / 'index.html')}")
-    finding = json.loads((out / "staging" / "staging.json").read_text())["finding"]
+    finding = json.loads((out / "gpu-decode" / "gpu_decode.json").read_text())["finding"]
     seen = render(out / "index.html")
-    assert seen["answer"][0] == (
-        f"Study 1: NVMe staging: {finding['text']} Call: {finding['call']} ({finding['label']}).")
-    assert list(seen["plots"]) == ["staging-break-even", "staging-epoch-times",
-                                  "staging-break-even-object-store"]
+    assert seen["answer"][0] == (f"Study 2: GPU decode placement: {finding['text']} "
+                                 f"Call: {finding['call']} ({finding['label']}).")
+    assert seen["plots"] and all(name.startswith("gpu-decode-") for name in seen["plots"])
     assert all(w == 1000 and h > 150 for w, h in seen["plots"].values())
-    assert seen["links"] == ["staging/report.html"] * 2  # the parts table and the section
-    assert (out / "staging" / "report.html").exists() and seen["external"] == []
+    assert seen["links"] == ["gpu-decode/report.html"] * 2  # the parts table and the section
+    assert (out / "gpu-decode" / "report.html").exists() and seen["external"] == []
     md = (out / "index.md").read_text()
-    assert finding["text"] in md and "| staging | ok |" in md and "(staging/report.html)" in md
+    assert finding["text"] in md and "| gpu-decode | ok |" in md
+    assert "(gpu-decode/report.html)" in md
 
 
 @pytest.mark.slow
