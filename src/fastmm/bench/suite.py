@@ -72,9 +72,9 @@ NAMES = ("loader", "pipeline", "staging", "gpu-decode", "decode-rates", "shards"
 def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
     """A part's command-line arguments. Sized so that the whole job stays under 10 minutes on
     a 2-core machine with a margin for slow days, the headline figures with 6 repetitions (the
-    fewest that give a 95% CI). The defaults took 458 s here on 2026-12-06 (loader ~90,
-    pipeline 97, staging 74 with its object-store arm, gpu-decode 35, shards 160 with the
-    store's layouts and two node launches). Each
+    fewest that give a 95% CI). The defaults took 458-513 s here on 2026-12-06 (loader 89,
+    pipeline 111, staging 79 with its object-store arm, gpu-decode 43, shards 190 with the
+    store's layouts and two node launches, in the slower run). Each
     part's own default run is fuller (the loader's decode cases, 400 images to stage, three
     shard sizes)."""
     where = ["--out", os.path.join(out, name), "--cache-dir", cache]
