@@ -40,9 +40,11 @@ from .report import busy_notes, save_study
 from .s3server import LocalS3
 
 
-def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None:
+def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int, study: int) -> None:
     """One rank of a world size's job (run by torchrun): a warm-up, then every (round, layout)
-    of ``plan`` in turn, the ranks starting each together; writes this rank's figures."""
+    of ``plan`` in turn, the ranks starting each together; writes this rank's figures.
+    ``study``: the study's own process, whose tree (every node's launch, the S3 store) is
+    the experiment's CPU, not another process's."""
     import psutil
     import torch.distributed as dist
 
@@ -57,8 +59,7 @@ def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int) -> None
     read_layout(name, path, os.path.join(out, f"stage-warm-up-node{node}"), batch, workers, 1)
     for done, (rep, name, path) in enumerate(runs, 1):
         dist.barrier()
-        # the whole job is under torchrun's agent (this rank's parent): its CPU is not "other"
-        with harness.OtherCores(root=os.getppid()) as others:
+        with harness.OtherCores(root=study) as others:
             # one staging directory per node (its local disk): its ranks stage each object once
             figs = read_layout(name, path, os.path.join(out, f"stage-{rep}-node{node}"), batch,
                                workers, epochs)
@@ -170,7 +171,7 @@ def run_job(plan: list, config: tuple[str, int, int], work: str, args, env: dict
 
     runs = launch_nodes(nnodes, per_node, [
         "-m", "fastmm.bench.study_shards", "--rank-job", os.path.join(out, "plan.json"), out,
-        str(args.batch), str(args.num_workers), str(args.epochs)],
+        str(args.batch), str(args.num_workers), str(args.epochs), str(os.getpid())],
         env={**env, "OMP_NUM_THREADS": "1"}, timeout_s=args.job_timeout_s, on_line=echo)
     failed = [r for r in runs if r.returncode != 0]
     if failed:
@@ -328,7 +329,8 @@ def _setup(result: dict) -> list[str]:
         "one, so the smallest shards), \"staged\" first copies them into the node's "
         "own staging directory (its ranks sharing the copy). \"N nodes\": "
         "N torchrun launches (--nnodes N --node_rank K) meeting at 127.0.0.1, as a cluster "
-        "scheduler starts one per host; all on this machine's cores.",
+        "scheduler starts one per host; all on this machine's cores, the store too (its CPU "
+        "and every node's count as the study's own, not as other processes').",
     ]
 
 
@@ -357,8 +359,8 @@ def _rows(result: dict) -> list[list[str]]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--rank-job":
-        plan, out, batch, workers, epochs = argv[1:6]
-        rank_job(plan, out, int(batch), int(workers), int(epochs))
+        plan, out, batch, workers, epochs, study = argv[1:7]
+        rank_job(plan, out, int(batch), int(workers), int(epochs), int(study))
         return 0
     p = argparse.ArgumentParser(prog="python -m fastmm.bench.study_shards", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
