@@ -68,13 +68,15 @@ def paired_ratios(numerators, denominators) -> list[float]:
 
 
 def verdict(ratios: dict | None, aim: float, *, at_most: bool = False) -> str | None:
-    """A target on a ratio judged by the interval of its median (``summarize``'s), so that
+    """A target on a ratio judged by the 95% CI of its median (``summarize``'s), so that
     noise is not read as a result: "met" when the whole interval is on the target's side of
     ``aim`` (>= aim, or <= aim with ``at_most``), "NOT met" when it is wholly on the other
-    side, and "not shown" when it straddles ``aim``. With fewer than 6 repetitions the interval
-    is their range (``interval`` says so); one repetition's is its value."""
+    side, and "not shown" when it straddles ``aim`` or when fewer than 6 repetitions make no
+    95% CI (their range, 93.8% for 5, is not one: a target is never called from it)."""
     if not ratios:
         return None
+    if not is_ci95(ratios):
+        return "not shown"
     low, high = ratios["ci_low"], ratios["ci_high"]
     if at_most:
         low, high, aim = -high, -low, -aim
