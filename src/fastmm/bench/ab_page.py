@@ -28,11 +28,14 @@ SOURCES = [  # (what it supports, where, when it was read)
 
 # -- the answer ----------------------------------------------------------------------------------
 
-def _figure(what: str, s: dict | None, unit: str, higher_is_better: bool = True,
+def _figure(what: str, arm: dict, key: str, unit: str, higher_is_better: bool = True,
             call: str | None = None) -> dict | None:
+    """An arm's ratio ``key`` with its label; the label rests on the arm's check of its
+    batches against its parent's, as the arm's own call does."""
+    s = arm[key]
     if not s:
         return None
-    label = stats.decision(s, higher_is_better=higher_is_better)[1]
+    label = stats.decision(s, ok=arm["correctness"]["ok"], higher_is_better=higher_is_better)[1]
     return {"what": what, "ratio": s["median"], "ci": [s["ci_low"], s["ci_high"]],
             "ci_level": s["ci_level"], "n": s["n"], "unit": unit, "call": call, "label": label}
 
@@ -45,14 +48,14 @@ def headline(result: dict) -> list[dict]:
     if data is None:
         return []
     out = [_figure("fastmm / torch samples/s, data pipeline (the loop only reads each batch)",
-                   data["ratio"], "x samples/s", call=None if e2e else data["call"])]
+                   data, "ratio", "x samples/s", call=None if e2e else data["call"])]
     if e2e:
-        out.append(_figure("fastmm / torch samples/s, end to end on your step", e2e["ratio"],
+        out.append(_figure("fastmm / torch samples/s, end to end on your step", e2e, "ratio",
                            "x samples/s", call=e2e["call"]))
     main = e2e or data
     out.append(_figure("fastmm / torch host memory held (loader_host_bytes after the window)",
-                       main["memory_ratio"], "x bytes", higher_is_better=False))
-    out.append(_figure("fastmm / torch time to the first batch", main["first_batch_ratio"],
+                       main, "memory_ratio", "x bytes", higher_is_better=False))
+    out.append(_figure("fastmm / torch time to the first batch", main, "first_batch_ratio",
                        "x seconds", higher_is_better=False))
     return [f for f in out if f]
 
