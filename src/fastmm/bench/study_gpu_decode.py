@@ -11,6 +11,11 @@ the GPU idle fraction (the telemetry's, from the same events); the loop's step a
 data. On a machine without CUDA the CPU arm runs with the model step stood in by the host
 waiting ("sleep", as for a GPU-bound step) and by a CPU matmul step that competes with decode
 for cores; the GPU arms are reported as not measured.
+
+Before any call, the arms' batches are compared (``check``): each arm's untimed warm-up batches
+of its first repetition, the same samples with the same crops (same seeds). Arms that decode
+alike must be byte-identical; CPU decode against nvJPEG may differ by what the decoders and the
+CPU arm's DCT-reduced decode are known to differ by (``CPU_GPU_LEVELS``). The call rests on it.
 Run: ``python -m fastmm.bench.study_gpu_decode --out DIR`` (``--quick`` for a smoke run).
 """
 
@@ -23,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import Dataset
@@ -78,6 +84,76 @@ class Encoded(Dataset):
 
 
 GPU_ARMS = ("gpu-decode inline", "gpu-decode ahead")
+
+# What CPU decode's images may differ from the GPU arms' by, per image, as the mean |difference|
+# in levels of 255: nvJPEG against libjpeg-turbo (torchvision's own test of decode_jpeg on CUDA,
+# test/test_image.py test_decode_jpeg_cuda, "Some difference expected between jpeg
+# implementations": mean < 2 per image; fastmm's tests/test_gpu.py holds nvJPEG to the same),
+# torch's resize on the GPU against the CPU's (at most 1 level per value: tests/test_gpu.py),
+# and the CPU arm's DCT-reduced decode against the full-size decode the GPU arms crop from (at
+# most 6.6 per image on this corpus: benchmarks/results/2026-11-30-pipelines.md), added up.
+# No source bounds a single value's difference: the largest is recorded, not judged.
+NVJPEG_LEVELS, GPU_RESIZE_LEVELS, REDUCED_LEVELS = 2.0, 1.0, 6.6
+CPU_GPU_LEVELS = NVJPEG_LEVELS + GPU_RESIZE_LEVELS + REDUCED_LEVELS
+LEVELS_SOURCE = (
+    f"{NVJPEG_LEVELS:g} (nvJPEG against libjpeg-turbo: torchvision's test_decode_jpeg_cuda, "
+    f"test/test_image.py) + {GPU_RESIZE_LEVELS:g} (resize on the GPU against the CPU: "
+    f"tests/test_gpu.py) + {REDUCED_LEVELS:g} (the CPU arm's DCT-reduced decode against a "
+    "full-size one on this corpus: benchmarks/results/2026-11-30-pipelines.md)")
+
+
+class Difference(NamedTuple):
+    """How far one arm's images are from another's, in levels of 255."""
+
+    images: int  # compared
+    worst_mean_levels: float  # the largest mean |difference| of one image
+    max_levels: float  # the largest |difference| of any value
+
+
+def difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> Difference:
+    """Image by image over two arms' batches (N x C x H x W, uint8, on the CPU); batches of
+    other counts or shapes are infinitely far apart (their crops are not the same)."""
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return Difference(0, float("inf"), float("inf"))
+    images, worst, top = 0, 0.0, 0.0
+    for x, y in zip(a, b):
+        if not x.numel():
+            continue
+        d = (x.int() - y.int()).abs()
+        worst = max(worst, d.flatten(1).float().mean(1).max().item())
+        top = max(top, float(d.max()))
+        images += len(x)
+    return Difference(images, worst, top)
+
+
+def _on_cpu(name: str) -> bool:
+    return name.startswith("cpu-decode")
+
+
+def comparisons(names: list[str]) -> list[tuple[str, str, float]]:
+    """(arm, against, mean levels allowed per image): every arm against the first (CPU
+    decode), byte-identical (0) where both decode in the CPU workers, within CPU_GPU_LEVELS
+    against a GPU arm; the GPU arms against each other byte-identical (both nvJPEG)."""
+    first, *rest = names
+    out = [(n, first, 0.0 if _on_cpu(n) else CPU_GPU_LEVELS) for n in rest]
+    gpu = [n for n in names if not _on_cpu(n)]
+    return out + [(n, gpu[0], 0.0) for n in gpu[1:]]
+
+
+def check(kept: dict[str, list[torch.Tensor]]) -> dict:
+    """The arms' batches compared (``comparisons``): what, how many, the differences found,
+    and ok only where every comparison compared images and stayed within its bound."""
+    pairs = []
+    for arm, against, allowed in comparisons(list(kept)):
+        d = difference(kept[arm], kept[against])
+        pairs.append({"arm": arm, "against": against, "allowed_mean_levels": allowed,
+                      **d._asdict(), "ok": d.images > 0 and d.worst_mean_levels <= allowed})
+    return {"what": "each arm's warm-up batches of its first repetition (the same samples, the "
+                    "same crops from the same seeds): byte-identical where the arms decode "
+                    "alike, CPU decode against nvJPEG within a mean |difference| per image of "
+                    f"{CPU_GPU_LEVELS:g} levels of 255 = {LEVELS_SOURCE}",
+            "batches_per_arm": len(next(iter(kept.values()), [])),
+            "pairs": pairs, "ok": bool(pairs) and all(p["ok"] for p in pairs)}
 
 
 def _keep(batch):
@@ -176,7 +252,9 @@ class StepTimes:
         return list(self._host)
 
 
-def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
+def run_arm(arm: str, step: ModelStep, paths, args, order, keep: bool = False) -> dict:
+    """One repetition of an arm; with ``keep``, its warm-up batches' images as well (copied to
+    the CPU before the timed batches begin), for ``check``."""
     import fastmm
 
     cuda = torch.cuda.is_available()
@@ -191,7 +269,7 @@ def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
     batches = iter(tm.watch(loader))
     ahead = DecodeAhead(batches, device) if arm == "gpu-decode ahead" else None
     source = iter(ahead) if ahead else batches
-    times, waits, n, start = StepTimes(step.mode == "cuda"), [], 0, None
+    times, waits, n, start, kept = StepTimes(step.mode == "cuda"), [], 0, None, []
     try:
         for k in range(args.warmup_batches + args.batches):
             if k == args.warmup_batches:
@@ -204,6 +282,8 @@ def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
             else:  # inline: the loop waits for the decode, as it would for the loader
                 images = batch if ahead else gpu_decode(batch, device)
             waits.append(time.perf_counter() - t0)
+            if keep and k < args.warmup_batches:
+                kept.append(images.to("cpu", copy=True))
             with tm.compute(), times.step():
                 step()
             n += len(images)
@@ -218,7 +298,7 @@ def run_arm(arm: str, step: ModelStep, paths, args, order) -> dict:
     return {"samples_per_s": n / seconds, "gpu_idle_fraction": m["gpu_idle_fraction"],
             "data_wait_p50_s": stats.summarize(waits[timed])["median"],
             "model_step_s_p50": stats.summarize(times.seconds()[timed])["median"],
-            "step_s_p50": (m["step_s"] or {}).get("p50")}
+            "step_s_p50": (m["step_s"] or {}).get("p50"), "kept": kept}
 
 
 def model_alone(step: ModelStep, reps: int = 20) -> list[float]:
@@ -248,12 +328,15 @@ def run(args) -> dict:
     steps = {c: ModelStep(c, args.compute_ms) for c in computes}
     before = {c: model_alone(step) for c, step in steps.items()}  # and after the arms
     results: dict[str, list] = {f"{a} / model {c}": [] for a, c in arms}
+    kept: dict[str, list] = {}
     for r in range(args.reps):
         for arm, compute in harness.rotated(list(arms), r):
+            name = f"{arm} / model {compute}"
             with harness.OtherCores() as others:
-                fig = run_arm(arm, steps[compute], paths, args, order)
+                fig = run_arm(arm, steps[compute], paths, args, order, keep=name not in kept)
             fig["other_processes_cpu_cores"] = others.cores
-            results[f"{arm} / model {compute}"].append(fig)
+            kept.setdefault(name, fig.pop("kept"))
+            results[name].append(fig)
             print(f"[gpu-decode] rep {r + 1}/{args.reps} {arm} / model {compute}: "
                   f"{fig['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
     alone = {c: stats.summarize(before[c] + model_alone(step))["median"]
@@ -286,28 +369,47 @@ def run(args) -> dict:
                                                         "num_workers": args.num_workers},
                                          paths=[args.cache_dir]),
               "images": len(paths), "batch": args.batch, "compute_ms": args.compute_ms,
-              "arms": out_arms,
+              "arms": out_arms, "check": check({n: kept[n] for n in results}),
               "busy": busy_notes("gpu-decode", [f["other_processes_cpu_cores"]
                                                 for figs in results.values() for f in figs])}
     result["finding"] = finding(result)
     return result
 
 
+def _compared(p: dict) -> str:
+    """One comparison of ``check`` in words, after the arm's name."""
+    if not p["images"]:
+        return f"compared with {p['against']}: no images, or not the same shapes"
+    seen = (f"{p['images']} images, the worst {p['worst_mean_levels']:.2f} levels off on "
+            f"average, the largest value {p['max_levels']:g}")
+    if p["allowed_mean_levels"] == 0:
+        return (f"byte-identical to {p['against']}" if p["ok"] else
+                f"DIFFERS from {p['against']} (byte-identical expected; {seen})")
+    return (f"{'within' if p['ok'] else 'NOT within'} {p['allowed_mean_levels']:g} levels of "
+            f"{p['against']} ({seen})")
+
+
+def _checked(c: dict) -> str:
+    return (f"Batches compared, the warm-up's {c['batches_per_arm']} per arm: "
+            + "; ".join(f"{p['arm']} {_compared(p)}" for p in c["pairs"]) + ".")
+
+
 def finding(result: dict) -> dict:
     """Where a GPU was measured: decode ahead on the GPU against decode in the CPU workers,
-    end to end on the step (``stats.decision`` on the paired ratio). Without one: what the CPU
-    arms showed, and "undecided", since the question was not measured."""
+    end to end on the step (``stats.decision`` on the paired ratio, rolled back if the arms'
+    batches failed ``check``). Without one: what the CPU arms showed, and "undecided", since
+    the question was not measured."""
     arms = result["arms"]
     gpu = arms.get("gpu-decode ahead / model cuda", {})
     if gpu.get("measured"):
         inline = arms["gpu-decode inline / model cuda"]
-        call, label = stats.decision(gpu["vs_cpu_decode"])
+        call, label = stats.decision(gpu["vs_cpu_decode"], ok=result["check"]["ok"])
         text = (f"With a {result['compute_ms']:g} ms model step on the GPU, decoding on the GPU "
                 f"ahead of the step gave {stats.interval(gpu['vs_cpu_decode'], 2, 'x')} the "
                 "end-to-end samples/s of decoding in the CPU workers, and decoding inline "
                 f"{stats.interval(inline['vs_cpu_decode'], 2, 'x')}; the model step took "
                 f"{gpu['model_step_s']['median'] / gpu['model_step_s_alone']:.2f}x its time "
-                "alone with decode ahead beside it.")
+                "alone with decode ahead beside it. " + _checked(result["check"]))
         return {"text": text, "call": call, "label": f"gpu-decode ahead: {label}"}
     sleep, cpu = arms.get("cpu-decode / model sleep"), arms.get("cpu-decode / model cpu")
     text = f"GPU decode not measured: {gpu.get('why', 'no GPU arm ran')}."
@@ -321,6 +423,7 @@ def finding(result: dict) -> dict:
                  f"{cpu['model_step_s_alone'] * 1e3:.1f} ms alone "
                  f"({cpu['model_step_s']['median'] / cpu['model_step_s_alone']:.2f}x; "
                  f"{stats.interval(cpu['samples_per_s'], 0, ' samples/s')}).")
+    text += " " + _checked(result["check"])
     label = "the GPU arms were not measured here" + (
         f"; CPU decode {stats.interval(sleep['samples_per_s'], 0, ' samples/s')}" if sleep else "")
     return {"text": text, "call": "undecided", "label": label}
@@ -345,14 +448,20 @@ def figures(result: dict) -> list[tuple]:
 
 TITLE = "Study 2: GPU decode placement"
 HEADER = ["arm", "samples/s end to end", "model step alone", "model step (slowdown)",
-          "loop step p50", "data wait p50", "GPU idle", "vs CPU decode"]
+          "loop step p50", "data wait p50", "GPU idle", "vs CPU decode", "batches checked"]
+
+
+def _check_cell(result: dict, name: str) -> str:
+    said = [("ok: " if p["ok"] else "FAILED: ") + _compared(p)
+            for p in result["check"]["pairs"] if p["arm"] == name]
+    return "; ".join(said) or "the reference"
 
 
 def _rows(result: dict) -> list[list[str]]:
     rows = []
     for name, a in result["arms"].items():
         if not a["measured"]:
-            rows.append([name, f"not measured: {a['why']}", "", "", "", "", "", ""])
+            rows.append([name, f"not measured: {a['why']}", "", "", "", "", "", "", ""])
             continue
         w, st, ms = a["data_wait_p50_s"], a["loop_step_s"], a["model_step_s"]
         alone, gi = a["model_step_s_alone"], a["gpu_idle_fraction"]
@@ -361,7 +470,7 @@ def _rows(result: dict) -> list[list[str]]:
                      f"({ms['median'] / alone if alone else float('nan'):.2f}x)",
                      f"{st['median'] * 1e3:.1f} ms", f"{w['median'] * 1e3:.1f} ms",
                      "-" if gi is None else format(gi["median"], ".0%"),
-                     stats.interval(a.get("vs_cpu_decode"), 2, "x")])
+                     stats.interval(a.get("vs_cpu_decode"), 2, "x"), _check_cell(result, name)])
     return rows
 
 
@@ -374,6 +483,8 @@ def _setup(result: dict) -> list[str]:
         f"{result['images']} JPEGs, RandomResizedCrop({SIZE}) + flip, batch {result['batch']}; "
         f"model step calibrated to {result['compute_ms']:g} ms (its measured time alone is in "
         f"the table). Intervals: {stats.CI_METHOD}.",
+        f"Batches checked: {result['check']['what']}. The largest difference of a single value "
+        "is shown, not judged: no source bounds it. A failed check makes the call roll back.",
     ]
 
 
@@ -396,7 +507,9 @@ def main(argv=None) -> int:
     p.add_argument("--compute-ms", type=options.number(0, above=False), default=40.0)
     p.add_argument("--reps", type=options.whole(1), default=6,
                    help="repetitions, interleaved (default 6, the fewest that give a 95%% CI)")
-    p.add_argument("--warmup-batches", type=options.whole(0), default=2)
+    p.add_argument("--warmup-batches", type=options.whole(1), default=2,
+                   help="untimed batches per repetition; the first repetition's are the ones "
+                   "compared across arms (default 2)")
     p.add_argument("--batches", type=options.whole(1), default=30)
     p.add_argument("--seed", type=options.whole(0), default=0)
     p.add_argument("--cache-dir", type=options.directory, default=str(default_cache_dir()))
