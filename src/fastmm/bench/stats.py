@@ -88,12 +88,14 @@ def verdict(ratios: dict | None, aim: float, *, at_most: bool = False) -> str | 
 ROLL_OUT_BAR = 1.05  # a change is rolled out when its interval lies above this ratio
 
 
-def decision(ratio: dict | None, *, ok: bool = True, bar: float = ROLL_OUT_BAR,
+def decision(ratio: dict | None, *, ok: bool, bar: float = ROLL_OUT_BAR,
              higher_is_better: bool = True) -> tuple[str, str]:
     """(call, label) for a change measured as a ratio to what it would replace: "roll out"
     only when the whole interval clears ``bar`` and the output was checked correct; the label
     says exactly what was shown ("1.11x [1.02-1.39] (95% CI): faster, not surely by the 5%
-    roll-out bar"). ``higher_is_better=False`` for times and memory."""
+    roll-out bar"). ``higher_is_better=False`` for times and memory. ``ok``, the result of the
+    check that the change's output equals the baseline's, has no default: a call made without
+    a check would say more than was shown."""
     shown = interval(ratio, 2, "x")
     if not ok:
         return "roll back", f"{shown}: its output differs from the baseline's"
