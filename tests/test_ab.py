@@ -177,6 +177,27 @@ def test_checks_fail_when_what_was_delivered_differs():
     assert not ab.check(pixels, dict(base, kept=[ramp[:1]]), dict(base, kept=[ramp]), True)["ok"]
 
 
+def test_a_check_run_without_batches_fails_its_check():
+    """No digests on either side compare nothing: not 'identical'."""
+    empty = {"digests": [], "kept": None}
+    for kind in ("bytes", "structure", "bytes-or-random"):
+        arm = ab.Arm("x", "fastmm", 2, 2, False, True, None, check=kind)
+        assert not ab.check(arm, empty, empty, True)["ok"]
+        assert not ab.check(arm, empty, {"digests": [(1, 7)], "kept": None}, True)["ok"]
+
+
+def test_the_baseline_is_reproducible_only_if_every_run_gave_the_same_batches():
+    """Its warm-up and check runs batch by batch over the batches both made (the 3rd batch
+    differing counts), the first batch of every timed run, and no run without a batch."""
+    check = {"digests": [(1, 7), (2, 7), (3, 7)]}
+    timed = [{"digests": [(1, 7)]}, {"digests": [(1, 7)]}]
+    assert ab.reproducible({"digests": [(1, 7), (2, 7)]}, check, timed)
+    assert not ab.reproducible({"digests": [(1, 7), (2, 7), (4, 7)]}, check, timed)
+    assert not ab.reproducible({"digests": [(1, 7)]}, check, timed + [{"digests": []}])
+    assert not ab.reproducible({"digests": [(1, 7)]}, check, [{"digests": [(5, 7)]}])
+    assert not ab.reproducible({"digests": []}, {"digests": []}, [])
+
+
 def test_digest_sees_bytes_order_and_structure():
     a = {"x": torch.arange(6, dtype=torch.uint8).reshape(2, 3), "s": ["a", "b"]}
     assert ab.digest(a) == ab.digest({"x": torch.arange(6, dtype=torch.uint8).reshape(2, 3),

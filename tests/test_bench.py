@@ -33,7 +33,7 @@ WINDOW_KEYS = {
     "system_busy_s", "other_processes_cpu_cores", "loadavg_1m_at_start",
 }
 LOADER_KEYS = WINDOW_KEYS | {
-    "teardown_s", "workers_alive_after_teardown", "workers_alive_before_start", "first_batch_crc32",
+    "teardown_s", "workers_alive_after_teardown", "workers_alive_before_start", "digests",
     "fetch_wait_s",
 }
 MEMORY_KEYS = LOADER_KEYS | {
@@ -88,7 +88,7 @@ def test_cli_writes_results_json(run):
     argv, out, proc = run
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"format", "environment", "settings", "method", "cases", "total_s"}
-    assert results["format"] == 2
+    assert results["format"] == 3
 
     env = results["environment"]
     assert set(env) == ENV_KEYS
@@ -136,6 +136,9 @@ def test_cli_writes_results_json(run):
                     assert r["batches"] % WORKERS == 0 and r["batches"] > 0
                     assert r["workers_alive_after_teardown"] == 0
                     assert r["first_batch_s"] > 0
+                    # the warm-up (the check) digests every batch it consumed, the others their first
+                    assert len(r["digests"]) == (r["warm_batches"] + r["batches"]
+                                                 if r["phase"] == "warmup" else 1)
                 for mem in reps[-2:]:
                     assert mem["pss_processes_seen"] == 1 + WORKERS
                     assert mem["peak_total_pss_bytes"] == mem["main_pss_bytes_at_peak"] + mem["workers_pss_bytes_at_peak"]
@@ -150,7 +153,7 @@ def test_cli_writes_results_json(run):
                 assert arm["kind"] == "reference"
                 assert [r["phase"] for r in reps] == ["warmup", "timed", "timed"]
                 for r in reps:
-                    keys = WINDOW_KEYS | ({"first_batch_crc32"} if arm_name.startswith("single") else set())
+                    keys = WINDOW_KEYS | ({"digests"} if arm_name.startswith("single") else set())
                     assert set(r) == keys
             for r in reps:
                 assert r["exhausted"] is False
@@ -166,7 +169,7 @@ def test_cli_writes_results_json(run):
         assert set(summary) == {
             "arms", "ratio_fastmm_over_torch", "paired_ratios_fastmm_over_torch", "target",
             "other_processes_cpu_cores_max", "busy_timed_reps", "timed_reps", "discarded_busy_reps",
-            "first_batch_identical", "first_batch_crc32", "memory", "busy_memory_reps",
+            "check", "memory", "busy_memory_reps",
         } | ({"ceiling"} if name.startswith("transport") else {"decode_limit"})
         assert summary["timed_reps"] == 2 * len(expected_arms[name])
         assert summary["discarded_busy_reps"] == 0  # no --wait-quiet: nothing is redone
@@ -208,11 +211,15 @@ def test_cli_writes_results_json(run):
                 assert c["conclusive"] == all(memory["kept_pace"].values())
             if t > 0:
                 assert c["ratio_over_baseline_fastmm_over_torch"] == pytest.approx(f / t)
-        # Same bytes from both loaders: deterministic clips, and the same seed before every
-        # loader for the decode case's random crops.
-        assert summary["first_batch_identical"] is True
-        assert summary["first_batch_crc32"]["torch"] == summary["first_batch_crc32"]["fastmm"]
-        assert len(summary["first_batch_crc32"]["torch"]) == 1
+        # Same batches from both loaders: deterministic clips, and the same seed before every
+        # loader for the decode case's random crops. Every batch of the warm-ups compared.
+        warm = {n: case["arms"][n]["reps"][0] for n in ("torch", "fastmm")}
+        assert summary["check"] == {
+            "batches_compared": min(len(w["digests"]) for w in warm.values()),
+            "first_difference": None, "repetitions_first_batch": 2 * 4,
+            "repetitions_first_batch_differs": 0, "ok": True}
+        assert summary["check"]["batches_compared"] >= 2 * WORKERS
+        first = warm["torch"]["digests"][0]
         torch_med = summary["arms"]["torch"]["samples_per_s"]["median"]
         fastmm_med = summary["arms"]["fastmm"]["samples_per_s"]["median"]
         assert summary["ratio_fastmm_over_torch"] == pytest.approx(fastmm_med / torch_med)
@@ -233,9 +240,7 @@ def test_cli_writes_results_json(run):
             )
             # The single-process arms read the same deterministic clips: same first batch.
             for arm_name in ("single-process", "single-reuse"):
-                assert {r["first_batch_crc32"] for r in case["arms"][arm_name]["reps"]} == set(
-                    summary["first_batch_crc32"]["torch"]
-                )
+                assert all(r["digests"] == [first] for r in case["arms"][arm_name]["reps"])
             assert summary["target"]["ratio"] == 3.0
         else:
             limit = summary["decode_limit"]
@@ -269,7 +274,7 @@ def test_cli_prints_table_and_writes_markdown(run):
     for text in (proc.stdout, summary):
         assert text.count("host memory held at full speed:") == 2
         assert text.count("host memory held paced (") == 2
-        assert text.count("first batch: torch and fastmm agree") == 2
+        assert text.count("batches: torch and fastmm agree (") == 2
 
 
 def test_summarize_exact():
@@ -410,7 +415,7 @@ def test_sum64_reads_every_byte():
     strided = clip.transpose(0, 2)  # not contiguous: read in logical order like a copy
     assert workloads.sum64(strided) == workloads.sum64(strided.contiguous())
     assert workloads.crc32(clip) == zlib.crc32(clip.numpy().tobytes())
-    assert workloads.first_batch_digest(clip) == zlib.crc32(clip.numpy().tobytes())
+    assert workloads.digest(clip).data == zlib.crc32(clip.numpy().tobytes())
     assert set(workloads.CONSUMERS) == {"sum64", "crc32", "cuda"}
     assert workloads.DEFAULT_CONSUMER == "sum64"
 
@@ -433,10 +438,52 @@ def test_caption_batches_are_counted_and_read_whole():
     assert workloads.batch_len(batch) == 5 and workloads.batch_len({"c": captions}) == 5
     text = "".join(captions).encode()
     assert workloads.batch_nbytes(batch) == len(text) + 5 * 8
-    assert workloads.first_batch_digest(batch) == zlib.crc32(text + labels.numpy().tobytes())
+    quoted = b"".join(repr(c).encode() for c in captions)
+    assert workloads.digest(batch).data == zlib.crc32(quoted + labels.numpy().tobytes())
     assert workloads.sum64(batch) != workloads.sum64(default_collate([data[i] for i in range(1, 6)]))
     alone = default_collate([workloads.CaptionDataset(labels=False)[i] for i in range(5)])
     assert alone == list(captions) and workloads.batch_len(alone) == 5
+
+
+def test_a_batch_without_tensors_is_digested_by_its_content():
+    """Strings and plain numbers are content: two batches of different captions (or labels)
+    differ, where a digest of tensor bytes alone gave both the empty CRC."""
+    a, b = ["a cat", "a dog"], ["a cat", "a hat"]
+    assert workloads.digest(a).data == zlib.crc32(b"'a cat''a dog'") != 0
+    assert workloads.digest(a) != workloads.digest(b)
+    assert workloads.digest([1, 2]).data != workloads.digest([1, 3]).data
+    assert workloads.digest([1, 2]).structure != workloads.digest(["1", "2"]).structure
+    assert workloads.digest(torch.tensor(7)).data == zlib.crc32((7).to_bytes(8, "little"))
+
+
+def _check_reps(torch_digests, fastmm_digests, firsts=((1, 0),)):
+    """A case's loader repetitions as batch_check reads them: a warm-up each, then others."""
+    return {name: [{"phase": "warmup", "digests": [tuple(d) for d in warm]}]
+            + [{"phase": "timed", "digests": [tuple(f)] if f else []} for f in firsts]
+            for name, warm in (("torch", torch_digests), ("fastmm", fastmm_digests))}
+
+
+def test_the_loaders_are_checked_on_every_batch_of_the_warm_up():
+    same = [(1, 0), (2, 0), (3, 0), (4, 0)]
+    assert cli.batch_check(_check_reps(same, same[:3])) == {
+        "batches_compared": 3, "first_difference": None, "repetitions_first_batch": 2,
+        "repetitions_first_batch_differs": 0, "ok": True}
+    third = cli.batch_check(_check_reps(same, [(1, 0), (2, 0), (9, 0), (4, 0)]))
+    assert (third["first_difference"], third["ok"]) == (2, False)
+    from fastmm.bench import report
+
+    assert report._digest_note({"summary": {"check": third}}) == (
+        "WARNING: batches differ: batch 3 of the warm-ups differs (4 batches of the warm-up "
+        "repetitions compared one by one, the first batch of 2 other loader repetitions)")
+
+
+def test_a_missing_digest_fails_the_check():
+    same = [(1, 0), (2, 0)]
+    no_first = cli.batch_check(_check_reps(same, same, firsts=((1, 0), None)))
+    assert (no_first["repetitions_first_batch_differs"], no_first["ok"]) == (2, False)
+    nothing = cli.batch_check(_check_reps([], []))
+    assert (nothing["batches_compared"], nothing["ok"]) == (0, False)
+    assert not cli.batch_check(_check_reps(same, []))["ok"]
 
 
 def test_samples_kept_apart_are_counted_as_samples():
@@ -445,7 +492,7 @@ def test_samples_kept_apart_are_counted_as_samples():
     batch = workloads.keep_list([data[i] for i in range(3)])
     assert all(not a.flags.writeable and a.shape == (24,) for a in batch)
     assert workloads.batch_len(batch) == 3 and workloads.batch_nbytes(batch) == 72
-    assert workloads.first_batch_digest(batch) == zlib.crc32(b"".join(a.tobytes() for a in batch))
+    assert workloads.digest(batch).data == zlib.crc32(b"".join(a.tobytes() for a in batch))
     assert workloads.batch_len(workloads.stack_numpy(batch)) == 3
 
 
@@ -461,7 +508,7 @@ def test_numpy_transport_case_runs_side_by_side(tmp_path, mode, collate):
                      "--mem-reps", "0", "--min-seconds", "0.2", "--warmup-seconds", "0.05",
                      "--clip-shape", ",".join(map(str, CLIP)), "--out", str(out)]) == 0
     (case,) = json.loads((out / "results.json").read_text())["cases"]
-    assert case["name"] == f"transport-{mode}-b{BATCH}" and case["summary"]["first_batch_identical"]
+    assert case["name"] == f"transport-{mode}-b{BATCH}" and case["summary"]["check"]["ok"]
     assert {"torch", "fastmm", "single-process", "single-reuse", "consume-alone"} <= set(case["arms"])
     assert f"collate_fn={collate}" in case["arms"]["fastmm"]["description"]
 
@@ -476,7 +523,7 @@ def test_captions_workload_runs_side_by_side(tmp_path):
     cases = json.loads((out / "results.json").read_text())["cases"]
     assert [case["name"] for case in cases] == ["captions-b32", "captions-labels-b32"]
     for case in cases:
-        assert case["summary"]["first_batch_identical"]
+        assert case["summary"]["check"]["ok"] and case["summary"]["check"]["batches_compared"] > 1
         assert {"torch", "fastmm", "getitem-1-thread"} <= set(case["arms"])
 
 
@@ -497,7 +544,8 @@ def test_paced_steps_last_step_s():
     assert fig["pace_step_s"] == 0.02 and fig["batches"] >= 5
     assert fig["samples_per_s"] == pytest.approx(2 / 0.02, rel=0.15)
     assert fig["samples_per_s"] <= 2 / 0.02 * 1.1
-    assert fig["first_batch_crc32"] == zlib.crc32(bytes(16))
+    assert fig["digests"] == [workloads.digest(torch.zeros(2, 8, dtype=torch.uint8))]
+    assert fig["digests"][0].data == zlib.crc32(bytes(16))
 
 
 def test_environment_command_carries_fastmm_settings(monkeypatch):

@@ -37,7 +37,6 @@ import shutil
 import sys
 import time
 import traceback
-import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -52,7 +51,7 @@ from ..slabs import uses_cpp
 from ..telemetry import Telemetry
 from . import ab_page, env, harness, options, stats
 from .report import BUSY_CORES
-from .workloads import batch_len, batch_nbytes, leaves, sum64
+from .workloads import batch_len, batch_nbytes, digest, leaves, sum64
 
 QUICK = {"reps": 3, "seconds": 0.5}
 FULL = {"reps": 6, "seconds": 2.0}
@@ -129,48 +128,6 @@ def make_dataset(factory: Callable, text: str):
 
 
 # -- batches -------------------------------------------------------------------------------------
-
-def _walk(x, out: list) -> None:
-    """(kind, value) leaves of a batch in a fixed order: its structure and its bytes."""
-    if isinstance(x, torch.Tensor):
-        out.append((f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}", x))
-    elif isinstance(x, np.ndarray):
-        out.append((f"ndarray {x.dtype}{list(x.shape)}", x))
-    elif isinstance(x, dict):
-        out.append((f"dict{list(x)}", None))
-        for v in x.values():
-            _walk(v, out)
-    elif isinstance(x, (list, tuple)):
-        out.append((f"{type(x).__name__}[{len(x)}]", None))
-        for v in x:
-            _walk(v, out)
-    elif isinstance(x, (str, bytes, int, float, bool, type(None))):
-        out.append((type(x).__name__, x))
-    else:  # an object of the user's: its type is its structure, its repr may hold addresses
-        out.append((type(x).__name__, None))
-
-
-def _raw(value) -> bytes:
-    if isinstance(value, torch.Tensor):
-        if not value.numel():
-            return b""
-        value = value.detach().cpu().contiguous().view(torch.uint8).numpy()
-    if isinstance(value, np.ndarray):
-        return np.ascontiguousarray(value).tobytes()
-    return repr(value).encode()
-
-
-def digest(batch) -> tuple[int, int]:
-    """(CRC-32 of every value, CRC-32 of the structure) of a batch."""
-    leaves = []
-    _walk(batch, leaves)
-    data = structure = 0
-    for kind, value in leaves:
-        structure = zlib.crc32(kind.encode(), structure)
-        if value is not None:
-            data = zlib.crc32(_raw(value), data)
-    return data, structure
-
 
 def describe(batch) -> str:
     """The batch's structure in a line: ``dict{video: uint8[32, 8, 3, 112, 112], ...}``."""
@@ -391,10 +348,11 @@ class Run:
     timed: int  # batches in the window
 
 
-def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
+def run_once(arm: Arm, run: Run, profile_dir: str | None = None, check: bool = False) -> dict:
     """One run of an arm: a fresh loader, the first batch timed, then ``run.timed`` batches
-    after ``run.warmup``, each handed to the step (or read); telemetry throughout. With
-    ``profile_dir``: every batch digested, a trace and a dense memory series exported there."""
+    after ``run.warmup``, each handed to the step (or read); telemetry throughout. The first
+    batch is digested (after its time is taken); with ``check``, every batch (an untimed run).
+    With ``profile_dir``: a trace and a dense memory series exported there."""
     gc.collect()
     harness.wait_for_children()
     map_style = not isinstance(arm.dataset, torch.utils.data.IterableDataset)
@@ -405,8 +363,9 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
     tm = (Telemetry(trace=True, interval_s=0.05, pss_interval_s=0.1) if profile
           else Telemetry(pss_interval_s=None))
     digests, kept, waits, gaps = [], None, [], []
-    first_s = first_digest = start = end = meter = None
+    first_s = start = end = meter = None
     samples = batches = 0
+    digest_s = 0.0  # digesting inside the window: a check run's extra work
     with fastmm_settings(arm.environment):
         torch.manual_seed(run.seed)
         t0 = time.perf_counter()
@@ -426,12 +385,13 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
             got = time.perf_counter()
             if n == 0:
                 first_s = got - t0
-                first_digest = digest(batch)[0]
-            if profile:
+            if check or n == 0:
                 digests.append(digest(batch))
-                if n == run.warmup:
+                if check and n == run.warmup:
                     kept = [torch.as_tensor(v).clone() for v in leaves(batch)
                             if not isinstance(v, str)]
+                if start is not None:
+                    digest_s += time.perf_counter() - got
             if start is not None:
                 waits.append(got - asked)
                 gaps.append(got - last)
@@ -459,8 +419,8 @@ def run_once(arm: Arm, run: Run, profile_dir: str | None = None) -> dict:
     m = summary["metrics"]
     memory = m["loader_host_bytes"]
     return {
-        "first_batch_s": first_s, "first_batch_crc32": first_digest,
-        "batches": batches, "samples": samples, "window_s": window,
+        "first_batch_s": first_s,
+        "batches": batches, "samples": samples, "window_s": window, "digest_s": digest_s,
         "samples_per_s": samples / window if window > 0 and batches else None,
         "queue_wait_share": sum(waits) / window if window > 0 else None,
         "host_bytes_held": memory["max"] if memory else None,  # (one sweep, after the window)
@@ -505,7 +465,11 @@ def window_size(args, dataset, seconds_per_batch: float) -> tuple[int, int]:
 
 
 def check(arm: Arm, mine: dict, parent: dict, deterministic: bool) -> dict:
-    """Whether an arm's check-and-profile run delivered what its parent's did."""
+    """Whether an arm's check-and-profile run delivered what its parent's did. A run that
+    delivered no batch has nothing to compare: the check fails."""
+    if not mine["digests"] or not parent["digests"]:
+        return {"check": "every batch compared", "ok": False,
+                "why": "a check run delivered no batch: nothing was compared"}
     data = [d for d, _ in mine["digests"]] == [d for d, _ in parent["digests"]]
     shape = [s for _, s in mine["digests"]] == [s for _, s in parent["digests"]]
     if arm.check == "pixels":
@@ -525,6 +489,16 @@ def check(arm: Arm, mine: dict, parent: dict, deterministic: bool) -> dict:
         return {"check": "every batch the same structure; bytes differ", "ok": shape,
                 "why": arm.why + " (they differ: the Dataset draws random numbers)"}
     return {"check": "every batch byte-identical", "ok": data, "why": arm.why}
+
+
+def reproducible(warm: dict, check: dict, reps: list[dict]) -> bool:
+    """Whether the baseline gave the same batches in every run with the same seeds: its
+    untimed warm-up and check runs batch by batch (over the batches both made), and the first
+    batch of every timed run. A run with no batch is not reproducible."""
+    a, b = warm["digests"], check["digests"]
+    n = min(len(a), len(b))
+    firsts = [r["digests"][0] if r["digests"] else None for r in reps]
+    return n > 0 and a[:n] == b[:n] and all(f == b[0] for f in firsts)
 
 
 def summarize_arm(arm: Arm, reps: list[dict], parent_reps: list[dict] | None) -> dict:
@@ -602,12 +576,15 @@ def _measure(args, dataset, step, collate_fn, log, pipeline, stage_dir, started)
                                 max(1, args.num_workers) + pipeline["step_s"])
     run = Run(args.batch_size, collate_fn, step, args.seed, warmup, timed)
     baseline = next(a for a in chosen if a.name == "torch")
-    warm = run_once(baseline, run)  # untimed: page cache, imports; its pace sets the window
+    # untimed: page cache, imports; its pace sets the window, its batches show reproducibility
+    warm = run_once(baseline, run, check=True)
     if warm["batches"]:
-        run.warmup, run.timed = window_size(args, dataset, warm["window_s"] / warm["batches"])
+        run.warmup, run.timed = window_size(args, dataset, (warm["window_s"] - warm["digest_s"])
+                                            / warm["batches"])
     checks = {}
     for i, arm in enumerate(chosen, 1):  # the untimed check-and-profile run of each arm
-        checks[arm.name] = c = run_once(arm, run, os.path.join(profile_dir, _slug(arm.name)))
+        checks[arm.name] = c = run_once(arm, run, os.path.join(profile_dir, _slug(arm.name)),
+                                        check=True)
         log(f"[check {i}/{len(chosen)}] {arm.name:28s} {len(c['digests'])} batches digested, "
             f"first batch {c['first_batch_s']:.2f} s")
     log(f"window: {run.timed} batches after {run.warmup} (about {args.seconds:g} s), "
@@ -626,9 +603,7 @@ def _measure(args, dataset, step, collate_fn, log, pipeline, stage_dir, started)
                 f"first batch {rep['first_batch_s']:.2f} s"
                 + (f", others busy {busy:.2f} cores" if busy and busy > BUSY_CORES else "")
                 + f" (eta {eta:.0f} s)")
-    base_checks = checks["torch"]
-    deterministic = len({r["first_batch_crc32"] for r in reps["torch"]} |
-                        {base_checks["first_batch_crc32"]}) == 1
+    deterministic = reproducible(warm, checks["torch"], reps["torch"])
     out = {}
     for arm in chosen:
         entry = summarize_arm(arm, reps[arm.name], reps[arm.parent] if arm.parent else None)
@@ -636,7 +611,9 @@ def _measure(args, dataset, step, collate_fn, log, pipeline, stage_dir, started)
             entry["correctness"] = check(arm, checks[arm.name], checks[arm.parent], deterministic)
             entry["call"], entry["label"] = decide(entry)
         else:
-            entry["correctness"] = {"check": "the same first batch in every run (same seeds)",
+            entry["correctness"] = {"check": "the same batches in every run (same seeds): "
+                                             "its warm-up and check runs batch by batch, the "
+                                             "first batch of every timed run",
                                     "ok": deterministic, "why": "the baseline's own "
                                     "reproducibility: what the other arms are checked against"}
         entry["reps"] = [{k: v for k, v in r.items() if k not in ("digests", "kept", "telemetry",

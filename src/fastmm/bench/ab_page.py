@@ -225,7 +225,10 @@ def write_page(result: dict, out: str) -> str:
         + (f", step `{result['pipeline']['step']}`" if result["pipeline"]["step"] else
            ", no step (the loop reads every byte of each batch)")
         + f"; batches {result['pipeline']['batch']} ({_mib(result['pipeline']['batch_bytes'])}).",
-        f"Every arm: one untimed check run (every batch digested; telemetry with a trace), then "
+        "Every arm: one untimed check run (every batch digested: the bytes of its tensors and "
+        "arrays, its other values, its structure; telemetry with a trace), compared with its "
+        "parent's batch by batch (no batch: a failed check); the baseline's untimed warm-up "
+        "run digested too, and every timed run's first batch, to show it reproducible. Then "
         f"{w['reps']} rounds of all arms, each round starting one arm later; a fresh loader per "
         f"run, built after torch.manual_seed({result['settings']['seed']}) with a generator "
         "seeded the same, so every arm draws the same sample order and worker seeds.",

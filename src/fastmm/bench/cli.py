@@ -39,7 +39,8 @@ from .workloads import (
 
 WORKLOADS = ("transport", "decode", "captions")
 CLIP_MODES = ("view", "clone", "numpy", "bytes")
-RESULTS_FORMAT = 2  # 2: consumer choice, consume-alone, paced memory repetitions, Shmem
+RESULTS_FORMAT = 3  # 2: consumer choice, consume-alone, paced memory repetitions, Shmem;
+# 3: every batch of the warm-up digested (digests, summary.check), verdicts only from a 95% CI
 BUSY_RETRIES = 2  # with --wait-quiet, a busy timed or memory repetition is redone at most this often
 PACE_FACTOR = 1.5  # paced memory repetitions: step = PACE_FACTOR x torch's median batch interval
 KEPT_PACE = 0.90  # a paced repetition kept pace if the loop waited for batches <= 10% of its window
@@ -59,7 +60,7 @@ QUICK = {
     "clip_modes": "view",
 }
 FULL = {
-    "reps": 5,
+    "reps": 6,
     "mem_reps": 2,
     "min_seconds": 3.0,
     "warmup_seconds": 1.0,
@@ -77,8 +78,9 @@ def _log(message: str) -> None:
 class Arm:
     name: str
     kind: str  # "loader" (a DataLoader, gets memory repetitions) or "reference" (in-process)
-    # (min_seconds, sample_pss, step_s or None) -> figures of one repetition
-    run: Callable[[float, bool, float | None], dict]
+    # (min_seconds, sample_pss, step_s or None, check) -> figures of one repetition; a check
+    # repetition digests every batch (a loader's), else its first
+    run: Callable[[float, bool, float | None, bool], dict]
     description: str
 
 
@@ -102,10 +104,11 @@ def _loader_arm(name: str, loader_class, dataset, batch_size: int, num_workers: 
         return loader_class(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                             collate_fn=collate_fn, pin_memory=pin_memory)
 
-    def run(min_seconds: float, sample_pss: bool, step_s: float | None) -> dict:
+    def run(min_seconds: float, sample_pss: bool, step_s: float | None, check: bool) -> dict:
         return harness.run_loader(make, num_workers, min_seconds, consume, sample_pss=sample_pss,
                                   step_s=step_s,
-                                  pss_max_duty=PACED_PSS_MAX_DUTY if step_s is not None else None)
+                                  pss_max_duty=PACED_PSS_MAX_DUTY if step_s is not None else None,
+                                  digest_all=check)
 
     return Arm(
         name,
@@ -142,7 +145,7 @@ def transport_case(args, clip_mode: str) -> Case:
         Arm(
             "single-process",
             "reference",
-            lambda s, _, __: harness.run_single_process(dataset, b, s, consume,
+            lambda s, *_: harness.run_single_process(dataset, b, s, consume,
                                                         collate_fn=collate_fn),
             f"getitem x batch + {collate_fn.__name__} + {args.consume} of the batch, in the "
             "main process, torch on 1 thread",
@@ -150,14 +153,14 @@ def transport_case(args, clip_mode: str) -> Case:
         Arm(
             "single-reuse",
             "reference",
-            lambda s, _, __: harness.run_single_process(dataset, b, s, consume, reuse_batch=True),
+            lambda s, *_: harness.run_single_process(dataset, b, s, consume, reuse_batch=True),
             "as single-process, but stacking into one preallocated batch reused every time: "
             "the least work any loader must do per batch",
         ),
         Arm(
             "consume-alone",
             "reference",
-            lambda s, _, __: harness.run_consume_only(dataset, b, s, consume, collate_fn,
+            lambda s, *_: harness.run_consume_only(dataset, b, s, consume, collate_fn,
                                                       pin_memory=args.pin_memory),
             f"the loop's consumer ({args.consume}) over one batch already in "
             + ("page-locked " if args.pin_memory else "")
@@ -198,7 +201,7 @@ def decode_cases(args, corpus) -> list[Case]:
             Arm(
                 "getitem-1-thread",
                 "reference",
-                lambda s, _, __: harness.run_getitem(dataset, s),
+                lambda s, *_: harness.run_getitem(dataset, s),
                 "dataset[i] alone, sequentially, in the main process, torch on 1 thread",
             )
         ]
@@ -229,7 +232,7 @@ def captions_cases(args) -> list[Case]:
             Arm(
                 "getitem-1-thread",
                 "reference",
-                lambda s, _, __, dataset=dataset: harness.run_getitem(dataset, s),
+                lambda s, *_, dataset=dataset: harness.run_getitem(dataset, s),
                 "dataset[i] alone, sequentially, in the main process, torch on 1 thread",
             )
         ]
@@ -287,7 +290,7 @@ def run_case(case: Case, args) -> dict:
                 _log(f"[{case.name}] the machine stayed busy for {args.wait_quiet:.0f} s "
                      f"(others used {quiet['other_processes_cpu_cores_before_start']:.2f} cores); going on")
             started = time.time()
-            fig = arm.run(min_seconds, sample_pss, step_s)
+            fig = arm.run(min_seconds, sample_pss, step_s, phase == "warmup")
             fig = {"phase": phase, "rep": index, "order": order, "started_unix_s": started, **quiet, **fig}
             order += 1
             busy = (fig.get("other_processes_cpu_cores") or 0.0) > BUSY_CORES
@@ -404,6 +407,25 @@ def _memory_condition(arms: dict, reps: dict[str, list[dict]], phase: str) -> di
     }
 
 
+def batch_check(reps: dict[str, list[dict]]) -> dict:
+    """Whether torch and fastmm delivered the same batches. Deterministic data (transport) or
+    the same seed before every loader (decode) make every repetition's batches the same: the
+    warm-up repetitions (untimed, every batch digested) are compared batch by batch over the
+    batches both delivered, and the first batch of every other loader repetition against
+    them. A repetition with no digest fails the check, as do check runs with no batch."""
+    torch_all, fastmm_all = (next(r["digests"] for r in reps[name] if r["phase"] == "warmup")
+                             for name in ("torch", "fastmm"))
+    compared = min(len(torch_all), len(fastmm_all))
+    differ = next((i for i in range(compared) if torch_all[i] != fastmm_all[i]), None)
+    firsts = [r["digests"][0] if r["digests"] else None
+              for name in ("torch", "fastmm") for r in reps[name] if r["phase"] != "warmup"]
+    first_differs = sum(d != torch_all[0] for d in firsts) if torch_all else len(firsts)
+    return {"batches_compared": compared, "first_difference": differ,
+            "repetitions_first_batch": len(firsts),
+            "repetitions_first_batch_differs": first_differs,
+            "ok": compared > 0 and differ is None and first_differs == 0}
+
+
 def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
                    step_s: float | None = None) -> dict:
     arms = {}
@@ -447,11 +469,7 @@ def summarize_case(case: Case, reps: dict[str, list[dict]], cores: int,
         "ratio_fastmm_over_torch": f_med / t_med if t_med else None,
         "paired_ratios_fastmm_over_torch": stats.summarize(stats.paired_ratios(fastmm_rates, torch_rates)),
     }
-    # Deterministic data (transport) or the same seed before every loader (decode): the first
-    # batch of every loader repetition must be the same bytes.
-    digests = {name: [r.get("first_batch_crc32") for r in reps[name]] for name in ("torch", "fastmm")}
-    summary["first_batch_crc32"] = {name: sorted(set(d)) for name, d in digests.items()}
-    summary["first_batch_identical"] = len(set(digests["torch"] + digests["fastmm"])) == 1
+    summary["check"] = batch_check(reps)
     paced_rate = case.batch_size / step_s if step_s else None
     paced_reps = {name: [r for r in reps[name] if r["phase"] == "memory-paced"] for name in ("torch", "fastmm")}
     kept_pace = {

@@ -11,8 +11,9 @@ Timing rules (the same for every arm, so the arms compare like for like):
   window count. Workers run in lockstep rounds, so whole rounds on both ends keep a short window
   from being biased by the start-up round or a half-finished last round.
 * Teardown (dropping the iterator and joining its workers) is timed separately.
-* The first batch's CRC-32 (the correctness digest) is computed after ``first_batch_s`` is taken
-  and before the window's clock starts, so it is in neither figure.
+* The first batch's digest (``workloads.digest``, the correctness check) is computed after
+  ``first_batch_s`` is taken and before the window's clock starts, so it is in neither figure.
+  With ``digest_all`` (an untimed check repetition) every batch is digested.
 * The consumer (the training-loop stand-in) is passed in explicitly by the caller.
 * Paced repetitions (``step_s``): the loop runs on a fixed clock, one step every ``step_s``
   from the arrival of the first batch. In each step it consumes the batch, sleeps holding it
@@ -40,7 +41,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from ..telemetry.sampler import baseline as host_baseline
 from ..telemetry.sampler import host_held, smaps_rollup
-from .workloads import Consumer, batch_len, batch_nbytes, first_batch_digest
+from .workloads import Consumer, batch_len, batch_nbytes, digest
 
 PSS_INTERVAL_S = 0.05
 
@@ -315,11 +316,12 @@ class _Window:
 
 def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consumer,
                sample_pss: bool = False, step_s: float | None = None,
-               pss_max_duty: float | None = None) -> dict:
+               pss_max_duty: float | None = None, digest_all: bool = False) -> dict:
     """One repetition of a multi-process loader arm (torch or fastmm): fresh loader, every
     batch read by ``consume``. With ``step_s`` the repetition is paced (see the module
     docstring); otherwise the loop runs as fast as the loader delivers and drops each batch
-    right after consuming it. ``pss_max_duty``: see :class:`PssSampler`."""
+    right after consuming it. ``pss_max_duty``: see :class:`PssSampler`. ``digests``: the
+    first batch's digest, or with ``digest_all`` every batch's (in order)."""
     gc.collect()
     leftover = wait_for_children()
     sampler = None
@@ -335,7 +337,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
     iterator = iter(loader)  # forks the workers: start the sampler thread only afterwards
     if sampler is not None:
         sampler.start()
-    digest = []
+    digests = []
     fetch_wait = 0.0  # time the loop spent blocked in next() inside the window
     tick = None  # paced: the end of the current step
     while True:
@@ -351,7 +353,9 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
             tick = received
         consume(batch)
         done = window.add(batch_len(batch), batch_nbytes(batch),
-                          on_first=lambda b=batch: digest.append(first_batch_digest(b)))
+                          on_first=lambda b=batch: digests.append(digest(b)))
+        if digest_all and window.batches_seen > 1:
+            digests.append(digest(batch))
         if step_s is not None and not done:
             tick += step_s
             remaining = tick - time.perf_counter()
@@ -373,7 +377,7 @@ def run_loader(make_loader, num_workers: int, min_seconds: float, consume: Consu
         workers_alive_after_teardown=still_alive,
         workers_alive_before_start=leftover,
         loadavg_1m_at_start=load1,
-        first_batch_crc32=digest[0] if digest else None,
+        digests=digests,
         fetch_wait_s=fetch_wait,
         **memory,
     )
@@ -409,7 +413,7 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Co
     load1 = os.getloadavg()[0]
     window = _Window(warm_batches=1, round_size=1, min_seconds=min_seconds)
     index = 0
-    digest = []
+    digests = []
     out = None
     with _OneThread():
         while True:
@@ -425,11 +429,11 @@ def run_single_process(dataset, batch_size: int, min_seconds: float, consume: Co
             index += batch_size
             consume(batch)
             done = window.add(batch_len(batch), batch_nbytes(batch),
-                              on_first=lambda b=batch: digest.append(first_batch_digest(b)))
+                              on_first=lambda b=batch: digests.append(digest(b)))
             del batch
             if done:
                 break
-    return {**window.result(), "loadavg_1m_at_start": load1, "first_batch_crc32": digest[0]}
+    return {**window.result(), "loadavg_1m_at_start": load1, "digests": digests}
 
 
 def run_consume_only(dataset, batch_size: int, min_seconds: float, consume: Consumer,

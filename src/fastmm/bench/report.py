@@ -84,9 +84,13 @@ def method(consume: str) -> dict:
         "consumed; closes at the first batch boundary after --min-seconds where the window holds a "
         "whole number of rounds (a multiple of num_workers batches); only batches inside it count",
         "consumer": CONSUMERS[consume][1] + "; the loop's only work per batch",
-        "first_batch_digest": "zlib.crc32 of each repetition's first batch, computed after "
-        "first_batch_s is taken and before the window opens (in neither figure); torch's and "
-        "fastmm's must be equal in every repetition (first_batch_identical)",
+        "digests": "per batch, CRC-32 of its content (every tensor's and array's bytes, every "
+        "other value's repr: strings, numbers) and of its structure (containers, keys, types, "
+        "dtypes, shapes). Each loader's untimed warm-up repetition digests every batch, and "
+        "torch's and fastmm's must agree batch by batch over the batches both delivered; every "
+        "other repetition digests its first batch (after first_batch_s is taken, before the "
+        "window opens: in neither figure), which must equal the warm-up's first. A repetition "
+        "without a digest fails the check (summary.check)",
         "fetch_wait_s": "time the loop spent blocked in next(iterator) inside the window",
         "shmem": "Shmem of /proc/meminfo (tmpfs, /dev/shm, memfd pages on the whole machine, "
         "mapped or not), sampled with each PSS sweep, peak minus the value before the loader was "
@@ -261,18 +265,19 @@ def _memory_notes(case: dict) -> list[str]:
 
 
 def _digest_note(case: dict) -> str:
-    s = case["summary"]
-    digests = s["first_batch_crc32"]
-    if s["first_batch_identical"]:
-        n = sum(len(case["arms"][name]["reps"]) for name in ("torch", "fastmm"))
-        return (f"first batch: torch and fastmm agree (CRC-32 {digests['torch'][0]:08x} in all {n} "
-                "loader repetitions)")
-
-    def text(values):
-        return ", ".join("none" if d is None else f"{d:08x}" for d in values)
-
-    return (f"WARNING: first batches differ: torch CRC-32 {text(digests['torch'])}; fastmm "
-            f"{text(digests['fastmm'])}")
+    c = case["summary"]["check"]
+    said = (f"{c['batches_compared']} batches of the warm-up repetitions compared one by one, "
+            f"the first batch of {c['repetitions_first_batch']} other loader repetitions")
+    if c["ok"]:
+        return f"batches: torch and fastmm agree ({said})"
+    wrong = []
+    if not c["batches_compared"]:
+        wrong.append("no batch was compared")
+    if c["first_difference"] is not None:  # an index from 0
+        wrong.append(f"batch {c['first_difference'] + 1} of the warm-ups differs")
+    if c["repetitions_first_batch_differs"]:
+        wrong.append(f"{c['repetitions_first_batch_differs']} first batches differ or are missing")
+    return f"WARNING: batches differ: {'; '.join(wrong)} ({said})"
 
 
 def _verdict(verdict: str | None, ratios: dict | None) -> str:
@@ -411,14 +416,14 @@ def markdown(results: dict, title: str = "fastmm-bench: torch vs fastmm DataLoad
 def finding(results: dict) -> dict | None:
     """The loader part's answer for a reader, from its first case (transport when it ran):
     fastmm's samples/s against torch's, paired per repetition, with the call that interval
-    supports (``stats.decision``; both loaders' first batches must agree)."""
+    supports (``stats.decision``; both loaders' batches must agree)."""
     if not results["cases"]:
         return None
     case, *others = results["cases"]
     s = case["summary"]
     arms = s["arms"]
     call, label = stats.decision(s["paired_ratios_fastmm_over_torch"],
-                                 ok=s["first_batch_identical"])
+                                 ok=s["check"]["ok"])
     first = {n: arms[n]["first_batch_s"]["median"] for n in ("fastmm", "torch")
              if arms[n]["first_batch_s"]}
     text = (f"{case['name']} (batch {case['batch_size']}, {case['num_workers']} workers): "

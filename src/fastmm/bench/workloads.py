@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -191,10 +191,59 @@ CONSUMERS: dict[str, tuple[Consumer, str]] = {
 DEFAULT_CONSUMER = "sum64"
 
 
-def first_batch_digest(batch: torch.Tensor) -> int:
-    """CRC-32 of a batch: the correctness check that both loaders deliver the same bytes,
-    whatever the consumer (sum64 alone would not see bytes swapped within a word)."""
-    return zlib.crc32(_bytes(batch))
+class Digest(NamedTuple):
+    """CRC-32s of a batch: ``data`` over its content (the bytes of every tensor and array, and
+    every other value by its repr: strings, numbers, None), ``structure`` over its form
+    (containers, keys, types, dtypes, shapes). A batch with no tensors still has content, so
+    two loaders' batches of strings or numbers are compared too."""
+
+    data: int
+    structure: int
+
+
+def _walk(x, out: list) -> None:
+    """(kind, value) leaves of a batch in a fixed order: its structure and its content."""
+    if isinstance(x, torch.Tensor):
+        out.append((f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}", x))
+    elif isinstance(x, np.ndarray):
+        out.append((f"ndarray {x.dtype}{list(x.shape)}", x))
+    elif isinstance(x, dict):
+        out.append((f"dict{list(x)}", None))
+        for v in x.values():
+            _walk(v, out)
+    elif isinstance(x, (list, tuple)):
+        out.append((f"{type(x).__name__}[{len(x)}]", None))
+        for v in x:
+            _walk(v, out)
+    elif isinstance(x, (str, bytes, int, float, bool, type(None))):
+        out.append((type(x).__name__, x))
+    else:  # an object of the user's: its type is its structure, its repr may hold addresses
+        out.append((type(x).__name__, None))
+
+
+def _raw(value) -> bytes:
+    if isinstance(value, torch.Tensor):
+        if not value.numel():
+            return b""
+        # reshape first: a 0-dim tensor cannot be viewed as bytes
+        value = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value).tobytes()
+    return repr(value).encode()
+
+
+def digest(batch) -> Digest:
+    """The batch's :class:`Digest`: the correctness check that two loaders deliver the same
+    batches, whatever the loop's consumer (sum64 alone would not see bytes swapped within a
+    word)."""
+    parts = []
+    _walk(batch, parts)
+    data = structure = 0
+    for kind, value in parts:
+        structure = zlib.crc32(kind.encode(), structure)
+        if value is not None:
+            data = zlib.crc32(_raw(value), data)
+    return Digest(data, structure)
 
 
 def batch_nbytes(batch) -> int:
