@@ -27,10 +27,11 @@ import torch
 
 from . import env, options, plots, stats
 from .corpus import default_cache_dir
+from .harness import OtherCores
 from .mmcorpus import CorpusSpec, read_frame_index
 from .page import Page
 from .pipelines import _clip_spec, _files, ensure_mmcorpus
-from .report import save
+from .report import busy_notes, save
 
 IMAGE_CLASSES = (("under 0.3 MP", 0, 300_000), ("0.3-1 MP", 300_000, 1_000_000),
                  ("1 MP and over", 1_000_000, 1 << 62))
@@ -69,7 +70,10 @@ def image_classes(paths: list[str]) -> dict[str, list[bytes]]:
     return {k: v for k, v in out.items() if v}
 
 
-def image_arms(classes: dict[str, list[bytes]], args, gpu: str | None) -> dict:
+def image_arms(classes: dict[str, list[bytes]], args, gpu: str | None,
+               others: list[float | None]) -> dict:
+    """Per size class, images/s on one CPU thread and with nvJPEG at each batch; ``others``
+    gets the cores other processes used during each repetition."""
     from torchvision import io as tvio
 
     rgb = tvio.ImageReadMode.RGB
@@ -83,12 +87,14 @@ def image_arms(classes: dict[str, list[bytes]], args, gpu: str | None) -> dict:
 
         figs = {"cpu 1 thread": []} | {f"gpu batch {b}": [] for b in GPU_BATCHES if gpu}
         for _ in range(args.reps):
-            figs["cpu 1 thread"].append(_rate(cpu_all, len(images), args.min_seconds))
-            for b in GPU_BATCHES if gpu else ():
-                batch = (images * (b // len(images) + 1))[:b]
-                figs[f"gpu batch {b}"].append(_rate(
-                    lambda batch=batch: tvio.decode_jpeg(batch, mode=rgb, device=gpu), b,
-                    args.min_seconds, _sync(gpu)))
+            with OtherCores() as busy:
+                figs["cpu 1 thread"].append(_rate(cpu_all, len(images), args.min_seconds))
+                for b in GPU_BATCHES if gpu else ():
+                    batch = (images * (b // len(images) + 1))[:b]
+                    figs[f"gpu batch {b}"].append(_rate(
+                        lambda batch=batch: tvio.decode_jpeg(batch, mode=rgb, device=gpu), b,
+                        args.min_seconds, _sync(gpu)))
+            others.append(busy.cores)
         arm = {"images": len(images), "rates": {k: stats.summarize(v) for k, v in figs.items()}}
         if gpu:
             on_cpu = [tvio.decode_jpeg(t, mode=rgb) for t in images[:16]]
@@ -115,9 +121,11 @@ def _clip_jobs(paths: list[str], seed: int):
     return dict(sorted(jobs.items(), key=lambda kv: int(kv[0].split("x")[0])))
 
 
-def video_arms(paths: list[str], args, gpu: str | None) -> tuple[dict, str | None]:
+def video_arms(paths: list[str], args, gpu: str | None,
+               others: list[float | None]) -> tuple[dict, str | None]:
     """Per resolution, clips/s on one CPU thread and with NVDEC; the reason NVDEC was not
-    measured, if it was not. torchcodec's own NVDEC backend is tried first, then FFmpeg's."""
+    measured, if it was not. torchcodec's own NVDEC backend is tried first, then FFmpeg's.
+    ``others`` gets the cores other processes used during each repetition."""
     import contextlib
 
     from torchcodec.decoders import VideoDecoder, set_cuda_backend
@@ -162,10 +170,13 @@ def video_arms(paths: list[str], args, gpu: str | None) -> tuple[dict, str | Non
 
         figs = {"cpu 1 thread": []} | ({"nvdec": []} if nvdec_why is None else {})
         for _ in range(args.reps):
-            figs["cpu 1 thread"].append(_rate(lambda: run("cpu"), len(clips), args.min_seconds))
-            if nvdec_why is None:
-                figs["nvdec"].append(_rate(lambda: run(gpu), len(clips), args.min_seconds,
-                                           _sync(gpu)))
+            with OtherCores() as busy:
+                figs["cpu 1 thread"].append(_rate(lambda: run("cpu"), len(clips),
+                                                  args.min_seconds))
+                if nvdec_why is None:
+                    figs["nvdec"].append(_rate(lambda: run(gpu), len(clips), args.min_seconds,
+                                               _sync(gpu)))
+            others.append(busy.cores)
         arm = {"clips": len(clips), "rates": {k: stats.summarize(v) for k, v in figs.items()}}
         if nvdec_why is None:
             data, idx = clips[0]
@@ -197,10 +208,11 @@ def run(args) -> dict:
     gpu = args.accelerator if args.accelerator == "cpu" or torch.cuda.is_available() else None
     root = ensure_mmcorpus(CorpusSpec(num_images=args.images, num_videos=args.videos,
                                       seed=args.seed), args.cache_dir)
+    others: list[float | None] = []  # per repetition of each arm: other processes' cores
     print("[decode-rates] images ...", file=sys.stderr, flush=True)
     with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders (fastmm's backend too)
         warnings.simplefilter("ignore", DeprecationWarning)
-        images = image_arms(image_classes(_files(root, ("jpg",))), args, gpu)
+        images = image_arms(image_classes(_files(root, ("jpg",))), args, gpu, others)
     crossover(images, [f"gpu batch {b}" for b in GPU_BATCHES])
     videos, nvdec_why, video_why = {}, None, None
     try:
@@ -209,7 +221,7 @@ def run(args) -> dict:
         video_why = f"torchcodec unavailable: {type(e).__name__}: {e}"[:300]
     if video_why is None and args.videos:
         print("[decode-rates] video ...", file=sys.stderr, flush=True)
-        videos, nvdec_why = video_arms(_files(root, ("mp4",)), args, gpu)
+        videos, nvdec_why = video_arms(_files(root, ("mp4",)), args, gpu, others)
         crossover(videos, ["nvdec"])
     return {
         "environment": env.capture(env.module_argv(__spec__, __name__), paths=[args.cache_dir]),
@@ -220,6 +232,7 @@ def run(args) -> dict:
         "videos": videos,
         "nvdec": {"measured": video_why is None and nvdec_why is None,
                   "why": video_why or nvdec_why},
+        "other_processes_cpu_cores": others,
     }
 
 
@@ -310,7 +323,7 @@ def figures(result: dict) -> list[tuple]:
 def page(result: dict) -> Page:
     """The report a reader opens: the crossover plot where measured, then the tables."""
     p = Page("Decode rates: CPU and GPU, and the crossover")
-    for note in _not_measured(result):
+    for note in _not_measured(result) + result["busy"]:
         p.alert(note)
     for name, fig, caption in figures(result):
         p.plot(name, fig, caption)
@@ -334,6 +347,7 @@ def report(result: dict) -> str:
     for note in _not_measured(result):
         (images_note if note.startswith("nvJPEG") else video_note).append(note)
     lines = ["# Decode rates: CPU and GPU, and the crossover", "", _setup(result), "",
+             *[f"**{note}**\n" for note in result["busy"]],
              "## JPEG images (images/s)", "", *table(IMAGE_HEADER, _image_rows(result))]
     lines += ["", *images_note, "", "## Video clips, 16 frames every 2nd (clips/s)", ""]
     if result["videos"]:
@@ -359,7 +373,8 @@ def main(argv=None) -> int:
                         "script's own plumbing, its 'GPU' figures then being CPU ones")
     args = options.parse(p, argv, {"images": 40, "videos": 3, "reps": 2, "min_seconds": 0.1})
     result = run(args)
-    result.update(finding=finding(result), busy=[])
+    result.update(finding=finding(result),
+                  busy=busy_notes("decode rates", result["other_processes_cpu_cores"]))
     save(args.out, "decode_rates", result, report(result), page(result))
     return 0
 

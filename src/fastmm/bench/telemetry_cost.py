@@ -214,7 +214,8 @@ def report(result: dict) -> str:
         blocks = len(next(iter(c["blocks"].values())))
         lines.append(f"{case}: batch {c['batch_size']}, {c['num_workers']} workers, {blocks} "
                      f"blocks of {c['window_s']} s windows in turn (samples/s median [min-max]; "
-                     "on / off paired per block: median [95% CI], the aim's verdict)")
+                     "on / off paired per block: median [interval] (a 95% CI from 6 blocks, "
+                     "else the range), the aim's verdict)")
         lines += _arm_lines(c["arms"], c["on_over_off"], ".1f", c["verdicts"])
         lines.append("  CPU us per sample, the arm's processes (on / off paired)")
         lines += _arm_lines(c["cpu_us_per_sample"], c["cpu_on_over_off"], ".3f", {})
@@ -232,7 +233,7 @@ def _arm_lines(arms: dict, ratios: dict, fmt: str, verdicts: dict) -> list[str]:
     for name, s in arms.items():
         r, extra = ratios.get(name), ""
         if r:
-            extra = f"   {r['median']:.3f} [{r['ci_low']:.3f}-{r['ci_high']:.3f}]"
+            extra = f"   {stats.interval(r, 3)}"
             if verdicts.get(name):
                 extra += f" {verdicts[name]}"
         lines.append(f"  {name:16s} {s['median']:10{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]"

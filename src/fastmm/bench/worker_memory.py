@@ -28,19 +28,21 @@ from ..telemetry import Telemetry
 from . import env, options, plots
 from .ab import fastmm_settings
 from .corpus import default_cache_dir
+from .harness import OtherCores
 from .mmcorpus import CorpusSpec
 from .pipelines import _files, ensure_mmcorpus
-from .report import save_study
+from .report import busy_notes, save_study
 from .workloads import JpegFolderDataset, sum64
 
 GROWTH_BAR = 1.05  # a second half whose peak is at most this much the first half's: a plateau
 
 
 def run(mode: str, files: list[str], args, series_dir: str) -> dict:
-    """One long epoch with FASTMM_WORKER_MALLOC=mode; each worker's RSS over it."""
+    """One long epoch with FASTMM_WORKER_MALLOC=mode; each worker's RSS over it, and the cores
+    other processes used meanwhile (a busy machine slows the rate)."""
     dataset = JpegFolderDataset(files, length=args.samples)
     tm = Telemetry(interval_s=0.5)
-    with fastmm_settings({"FASTMM_WORKER_MALLOC": mode}):
+    with fastmm_settings({"FASTMM_WORKER_MALLOC": mode}), OtherCores() as others:
         loader = fastmm.DataLoader(dataset, batch_size=args.batch_size, shuffle=True,
                                    num_workers=args.num_workers,
                                    generator=torch.Generator().manual_seed(args.seed))
@@ -61,7 +63,7 @@ def run(mode: str, files: list[str], args, series_dir: str) -> dict:
                 workers[pid][0].append(row["t_s"])
                 workers[pid][1].append(rss)
     out = {"mode": mode, "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
-           "workers": []}
+           "other_processes_cpu_cores": others.cores, "workers": []}
     for t, rss in workers.values():
         half = len(rss) // 2
         out["workers"].append({
@@ -131,7 +133,8 @@ def main(argv=None) -> int:
                                          paths=[str(args.cache_dir)]),
               "samples": args.samples, "images": len(files), "batch_size": args.batch_size,
               "num_workers": args.num_workers, "growth_bar": GROWTH_BAR, "runs": runs,
-              "busy": []}
+              "busy": busy_notes("worker memory",
+                                 [r["other_processes_cpu_cores"] for r in runs])}
     result["finding"] = finding(result)
     rows = [[r["mode"], f"{r['samples_per_s']:.0f}",
              ", ".join(f"{w['peak_rss_bytes'] / 2**20:.0f}" for w in r["workers"]),
