@@ -14,8 +14,11 @@ configuration once per round): per-rank throughput (median over ranks) with its 
 interval over the repetitions (a 95% CI from 6 of them: ``stats``), its ratio to the
 file-per-sample layout at the same world size (paired by round), the slowest rank against the
 fastest, startup (opening the layout to its first batch), staging cost where staged (and
-whether each node copied each object once), and whether every rank yielded the same number of
-batches. One torchrun job per configuration reads
+whether each node copied each object once), whether every rank yielded the same number of
+batches, and whether the layout gave the same samples as a file per sample (``same_samples``:
+the keys the loader delivered in each epoch, gathered over the ranks, each sample once; each
+key's members read back through the layout, digested, equal to the files'). The call rests on
+both. One torchrun job per configuration reads
 every round's layouts in turn, the ranks starting each layout together; its processes' start
 (imports and rendezvous, the same for every layout) is reported once. Run:
 ``python -m fastmm.bench.study_shards --out DIR`` (``--quick`` for a smoke run).
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -74,10 +79,43 @@ def rank_job(plan: str, out: str, batch: int, workers: int, epochs: int, study: 
     dist.destroy_process_group()
 
 
+def sample_digest(sample) -> str:
+    """A digest of a sample's key and members (extension and bytes, in extension order)."""
+    h = hashlib.blake2b(sample.key.encode(), digest_size=16)
+    for ext in sorted(sample.members):
+        data = sample.members[ext]
+        h.update(f"\0{ext}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def read_back(source, keys: set[str]) -> dict[str, str]:
+    """key -> ``sample_digest`` of each of ``keys`` read again through ``source`` (after the
+    timed epochs, so in no figure): the bytes the layout holds for each key the loader got."""
+    where = {k: i for i, k in enumerate(source.keys()) if k in keys}
+    ahead = source.read_ahead(list(where.values()))  # a store's GETs at once
+    return {k: sample_digest(ahead[i].result() if i in ahead else source.read(i))
+            for k, i in where.items()}
+
+
+def same_samples(epochs: list[list[str]], digests: dict[str, str], files: dict[str, str],
+                 samples: int, world: int) -> dict:
+    """One run of a layout against the file-per-sample layout's run of the same round:
+    ``epochs`` the keys delivered in each epoch over all ranks, ``digests`` key -> digest
+    (``read_back``), ``samples`` the layout's length. Each epoch must hold every one of the
+    ``samples`` once (plus DistributedSampler's padding to a multiple of ``world``), and every
+    key's digest must be the files'."""
+    padded = math.ceil(samples / world) * world
+    once = all(len(set(keys)) == samples and len(keys) == padded for keys in epochs)
+    differ = sorted(k for k in files.keys() | digests.keys() if files.get(k) != digests.get(k))
+    return {"each_once": once, "differing": differ, "ok": once and not differ}
+
+
 def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
                 epochs: int) -> dict:
     """This rank's share of a layout, ``epochs`` times: its figures per epoch (the first
-    batch's time counted from opening the layout), and the staging cost where staged."""
+    batch's time counted from opening the layout) with the keys delivered, the staging cost
+    where staged, and the digest of each key delivered (``read_back``)."""
     import torch
     import torch.distributed as dist
 
@@ -94,25 +132,31 @@ def read_layout(name: str, root: str, stage_dir: str, batch: int, workers: int,
         source = StagedSource(root, stage_dir, inner="shards", progress=None)
     dataset = fastmm.MultimodalDataset(root if source is None else None, source=source or kind,
                                        decoder="torchvision", reduce=True, size=SIZE,
-                                       modality="image", transform=lambda item: item["image"],
+                                       modality="image", transform=lambda item: {
+                                           "image": item["image"], "key": item["key"]},
                                        **source_options)
     sampler = fastmm.DistributedSampler(dataset, seed=0)
     loader = fastmm.DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers)
     figures = {"epochs": []}
     for epoch in range(epochs):
-        t0, n, batches, first = time.perf_counter(), 0, 0, None
-        for images in loader:
+        t0, n, batches, first, keys = time.perf_counter(), 0, 0, None, []
+        for got in loader:
             total = torch.ones(1)
             dist.all_reduce(total)
             if first is None:
                 first = time.perf_counter() - (opened if epoch == 0 else t0)
-            n += len(images)
+            n += len(got["image"])
+            keys += got["key"]
             batches += 1
         seconds = time.perf_counter() - t0
         figures["epochs"].append({"samples": n, "batches": batches, "seconds": seconds,
-                                  "samples_per_s": n / seconds, "first_batch_s": first})
+                                  "samples_per_s": n / seconds, "first_batch_s": first,
+                                  "keys": keys})
     if source is not None:
         figures["staging_cost"] = source.staging_cost
+    figures["samples_in_layout"] = len(dataset)
+    figures["digests"] = read_back(dataset.source,
+                                   {k for e in figures["epochs"] for k in e["keys"]})
     return figures
 
 
@@ -179,8 +223,12 @@ def run_job(plan: list, config: tuple[str, int, int], work: str, args, env: dict
         return {"error": f"node {failed[0].node}: " + "".join(lines)[-2000:]}
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     figures = {"ready_s": stats.summarize([r["ready_s"] for r in ranks])["median"]}
+    keys, digests = {}, {}  # (round, layout) -> keys per epoch over the ranks; key -> digest
     for i, (rep, name, _) in enumerate(plan):
         runs = [r["runs"][i] for r in ranks]
+        keys[rep, name] = [[k for r in runs for k in r["epochs"][e]["keys"]]
+                           for e in range(len(runs[0]["epochs"]))]
+        digests[rep, name] = {k: d for r in runs for k, d in r["digests"].items()}
         rates = [r["epochs"][-1]["samples_per_s"] for r in runs]
         figures[rep, name] = {
             "rate": stats.summarize(rates)["median"],
@@ -197,6 +245,11 @@ def run_job(plan: list, config: tuple[str, int, int], work: str, args, env: dict
                 copied[rank["node"]] += r["staging_cost"]["files"]
             figures[rep, name]["staged_once_per_node"] = (
                 len(copied) == nnodes and len(set(copied.values())) == 1)
+        figures[rep, name]["samples_in_layout"] = runs[0]["samples_in_layout"]
+    for rep, name in keys:
+        figures[rep, name]["content"] = same_samples(
+            keys[rep, name], digests[rep, name], digests[rep, "files"],
+            figures[rep, name]["samples_in_layout"], world)
     return figures
 
 
@@ -207,6 +260,7 @@ def summarize_runs(key: str, figs: list[dict], runs: dict[str, list]) -> dict:
     if len(ok) < len(figs):
         return {"error": next(f["error"] for f in figs if "error" in f)}
     baseline = runs.get("files / " + key.split(" / ", 1)[1], [])
+    differ = sorted({k for f in ok for k in f["content"]["differing"]})
     entry = {
         "reps": len(ok),
         "per_rank_samples_per_s": stats.summarize([f["rate"] for f in ok]),
@@ -216,6 +270,10 @@ def summarize_runs(key: str, figs: list[dict], runs: dict[str, list]) -> dict:
         "startup_s": stats.summarize([f["startup_s"] for f in ok]),
         "equal_batches": all(f["equal_batches"] for f in ok),
         "batches_per_epoch": ok[0]["batches_per_epoch"],
+        "same_samples": {"samples": ok[0]["samples_in_layout"],
+                         "each_once": all(f["content"]["each_once"] for f in ok),
+                         "differing_keys": differ[:5], "differing_count": len(differ),
+                         "ok": all(f["content"]["ok"] for f in ok)},
     }
     if "staging_s" in ok[0]:
         entry["staging_s"] = stats.summarize([f["staging_s"] for f in ok])
@@ -268,7 +326,8 @@ def run(args) -> dict:
 def finding(result: dict) -> dict:
     """Each layout's per-rank rate against a file per sample, in every configuration; the call
     is ``stats.decision``'s on the first shard layout at the largest one-node world size,
-    rolled back if its ranks did not all yield the same number of batches."""
+    rolled back if its ranks did not all yield the same number of batches or its samples were
+    not a file per sample's (``same_samples``)."""
     ok = {k: r for k, r in result["results"].items() if "error" not in r}
     configs = list(dict.fromkeys(k.split(" / ", 1)[1] for k in ok))  # in the order run
     if not configs:
@@ -282,6 +341,11 @@ def finding(result: dict) -> dict:
             f"{layout} {stats.interval(r['vs_files'], 2, 'x')}" for layout, r in rows))
     text = ("Per-rank samples/s against a file per sample (torchrun, every rank on this "
             "machine's cores): " + "; ".join(sentences) + ".")
+    differ = [f"{k} ({_samples(r['same_samples'])})" for k, r in ok.items()
+              if not r["same_samples"]["ok"]]
+    text += (" Samples NOT a file per sample's in: " + "; ".join(differ) + "." if differ else
+             " Every layout gave a file per sample's samples in every run: each once per "
+             "epoch, the same keys with the same bytes.")
     once = [k for k, r in ok.items() if r.get("staged_once_per_node") is False]
     if once:
         text += f" Staging copied an object more than once on a node in: {', '.join(once)}."
@@ -290,8 +354,20 @@ def finding(result: dict) -> dict:
     top = next((k for k in ok if k.startswith("shards-") and k.endswith(f" / {at}")), None)
     if top is None:
         return {"text": text, "call": "undecided", "label": "no shard layout measured"}
-    call, label = stats.decision(ok[top]["vs_files"], ok=ok[top]["equal_batches"])
+    call, label = stats.decision(ok[top]["vs_files"],
+                                 ok=ok[top]["equal_batches"] and ok[top]["same_samples"]["ok"])
     return {"text": text, "call": call, "label": f"{top}: {label}"}
+
+
+def _samples(same: dict) -> str:
+    """``same_samples`` of a configuration in words."""
+    if same["ok"]:
+        return f"yes ({same['samples']}, each once)"
+    wrong = [] if same["each_once"] else ["a sample missing or repeated in an epoch"]
+    if same["differing_count"]:
+        wrong.append(f"{same['differing_count']} keys differ or are missing, e.g. "
+                     + ", ".join(same["differing_keys"]))
+    return "NO: " + "; ".join(wrong)
 
 
 def figures(result: dict) -> list[tuple]:
@@ -331,19 +407,25 @@ def _setup(result: dict) -> list[str]:
         "N torchrun launches (--nnodes N --node_rank K) meeting at 127.0.0.1, as a cluster "
         "scheduler starts one per host; all on this machine's cores, the store too (its CPU "
         "and every node's count as the study's own, not as other processes').",
+        "Same samples: in every run, the keys each epoch delivered, gathered over the ranks, "
+        "must hold each of the layout's samples once (DistributedSampler pads to a multiple of "
+        "the world size), and after the timed epochs each rank reads its keys back through the "
+        "layout (in no figure) and digests key and members (blake2b); every key's digest must "
+        "be the file-per-sample layout's in the same round. The call needs it and equal "
+        "batches.",
     ]
 
 
 TITLE = "Study 3: sharded storage in distributed training"
 HEADER = ["layout / world", "samples/s per rank", "vs files", "slowest / fastest", "startup s",
-          "staging s", "equal batches"]
+          "staging s", "equal batches", "same samples"]
 
 
 def _rows(result: dict) -> list[list[str]]:
     rows = []
     for name, r in result["results"].items():
         if "error" in r:
-            rows.append([name, "FAILED", "", "", "", "", ""])
+            rows.append([name, "FAILED", "", "", "", "", "", ""])
             continue
         rows.append([name, stats.interval(r["per_rank_samples_per_s"], 1),
                      stats.interval(r["vs_files"], 2, "x"),
@@ -351,7 +433,7 @@ def _rows(result: dict) -> list[list[str]]:
                      stats.interval(r["startup_s"], 2),
                      stats.interval(r.get("staging_s"), 2)
                      + ("" if r.get("staged_once_per_node", True) else " (copied twice)"),
-                     "yes" if r["equal_batches"] else "NO"])
+                     "yes" if r["equal_batches"] else "NO", _samples(r["same_samples"])])
     return rows
 
 
