@@ -16,6 +16,9 @@ Targets:
           tensors inside the slabs they name or a ValueError, never a read outside them.
   state   a loader's state_dict damaged a field at a time (a checkpoint edited or cut):
           load_state_dict raises ValueError, or what it loads can be applied.
+  keys    hostile name lists in a published manifest, staged with and without extract: only
+          names that pass the one check are copied, every other is counted by name, and nothing
+          is written, replaced or deleted outside the staging directory.
   mp4     the MP4 sample tables the torchcodec backend slims (decode.mp4, H.264 and HEVC
           seeds) on any bytes: parse
           gives None or samples inside the file; a slimmed file parses again with the clip's
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import io
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import tarfile
@@ -48,7 +53,8 @@ with atheris.instrument_imports(include=["fastmm"]):
     import fastmm
     from fastmm import _twin, collate, resume
     from fastmm.decode import mp4
-    from fastmm.sources import SourceError
+    from fastmm.sources import SourceError, StagedSource
+    from fastmm.sources.base import name_problem
     from fastmm.sources.shards import ShardSource, _valid_index, iter_members
 
     try:
@@ -175,6 +181,80 @@ def index_one(data: bytes) -> None:
     global _index
     _index = _index or _IndexTarget()
     _index.one(data)
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+class _KeysTarget:
+    """A sandbox holding a remote directory and a staging directory, laid anew for each input."""
+
+    def __init__(self):
+        self.box = tempfile.mkdtemp(prefix="fastmm-fuzz-keys-")
+        self.remote = os.path.join(self.box, "remote")
+        self.stage = os.path.join(self.box, "stage")
+        # parts an attacker would try, this sandbox's own path among them
+        self.parts = ["", ".", "..", ".fastmm-stage", "a", "a.tar", "b.jpg", "x\\y", "n\0ul",
+                      "\ud800", self.box.strip("/"), "remote", "stage", ".tar"]
+
+    def _names(self, fdp) -> list[str]:
+        names = []
+        for _ in range(fdp.ConsumeIntInRange(1, 8)):
+            parts = [self.parts[fdp.ConsumeIntInRange(0, len(self.parts) - 1)]
+                     if fdp.ConsumeBool() else fdp.ConsumeUnicode(6)
+                     for _ in range(fdp.ConsumeIntInRange(1, 4))]
+            names.append("/".join(parts))
+        return names
+
+    def one(self, data: bytes) -> None:
+        fdp = atheris.FuzzedDataProvider(data)
+        extract = fdp.ConsumeBool()
+        names = self._names(fdp)
+        shutil.rmtree(self.box, ignore_errors=True)
+        os.makedirs(self.remote)
+        lines = []
+        for name in names:
+            body = bytes(1024) if name.endswith(".tar") else b"x"  # an empty tar, or a byte
+            if name_problem(name) is None:  # the check's promise, before anything is joined
+                path = os.path.join(self.remote, name)
+                assert os.path.normpath(path) == path, name
+                try:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path, "xb") as f:
+                        f.write(body)
+                except OSError:
+                    pass  # a file and a directory of one name, a name too long: staged or not
+            lines.append(json.dumps({"path": name, "size": len(body),
+                                     "sha256": hashlib.sha256(body).hexdigest()}))
+        with open(os.path.join(self.remote, ".fastmm-files.jsonl"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        remote_before = sorted(os.walk(self.remote))
+        try:
+            src = StagedSource(self.remote, self.stage, extract=extract, on_error="skip",
+                               progress=None)
+        except SourceError as e:  # a .tar to extract that could not be copied: its samples
+            assert extract and e.key.endswith(".tar") and e.reason != "unsafe_name", e  # unknown
+        else:
+            manifest = os.path.join(self.remote, ".fastmm-files.jsonl")
+            unsafe = [p.key for p in src.problems
+                      if p.reason == "unsafe_name" and p.origin.startswith(manifest)]
+            assert len(src.files) + len(unsafe) == len(names), (names, src.files, unsafe)
+            assert all(name_problem(f.path) is None for f in src.files)
+        assert sorted(os.walk(self.remote)) == remote_before  # nothing there added or removed
+        for where, dirs, files in os.walk(self.box):
+            for n in dirs + files:
+                path = os.path.join(where, n)
+                assert path.startswith((self.remote + os.sep, self.stage + os.sep)) or \
+                    path in (self.remote, self.stage), path
+
+
+_keys = None
+
+
+def keys_one(data: bytes) -> None:
+    global _keys
+    _keys = _keys or _KeysTarget()
+    _keys.one(data)
 
 
 # -- gather ------------------------------------------------------------------------------------
@@ -453,6 +533,7 @@ TARGETS = {
     "layout": (layout_one, _layout_seeds),
     "state": (state_one, lambda: [bytes(16), bytes(range(256))]),
     "mp4": (mp4_one, _mp4_seeds),
+    "keys": (keys_one, lambda: [bytes(64), bytes(range(256)), b"\xff" * 64]),
 }
 
 

@@ -1,6 +1,6 @@
 """Property tests (hypothesis): the tar reader against Python's tarfile, whole and cut short;
-and a state machine of next / state_dict + reload / worker kill / new epoch whose invariant is
-that each id arrives exactly once per epoch."""
+a state machine of next / state_dict + reload / worker kill / new epoch whose invariant is
+that each id arrives exactly once per epoch; and the one check on names from outside."""
 
 from __future__ import annotations
 
@@ -150,3 +150,40 @@ class OncePerEpoch(RuleBasedStateMachine):
 TestOncePerEpoch = pytest.mark.slow(OncePerEpoch.TestCase)
 TestOncePerEpoch.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- one check for every name from outside ---------------------------------------------------
+
+from fastmm.sources.base import name_problem  # noqa: E402
+from fastmm.sources.s3 import split_url  # noqa: E402
+
+_hostile_part = st.sampled_from(["", ".", "..", "a\\b", "x\0y", "\ud800", "ok", "é", "a.jpg"])
+_hostile_name = st.one_of(
+    st.text(max_size=30),
+    st.lists(st.one_of(_hostile_part, _segment), min_size=1, max_size=5).map("/".join),
+    st.lists(_segment, min_size=1, max_size=3).map(lambda p: "/" + "/".join(p)),
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(name=_hostile_name)
+def test_a_name_that_passes_stays_under_any_root_and_in_its_bucket(name):
+    """Whatever passes joins onto a root as itself (no part dropped, merged or climbing out),
+    keeps its bucket in an s3:// URL, and can be a file name."""
+    if name_problem(name) is not None:
+        return
+    assert os.path.normpath(os.path.join("/root/dir", name)) == "/root/dir/" + name
+    assert split_url(f"s3://bucket/prefix/{name}") == ("bucket", f"prefix/{name}")
+    assert "\0" not in name and "\\" not in name
+    name.encode("utf-8")
+
+
+@pytest.mark.parametrize("name, why", [
+    ("a/b.jpg", None), ("é/ü.jpg", None), ("..a/b..c", None),
+    ("", "empty name"), ("/etc/passwd", "absolute name"), ("a//b", "empty path part"),
+    ("a/", "empty path part"), ("../x", "'..'"), ("a/./b", "'.'"), ("a\\..\\b", "backslash"),
+    ("a\0b", "NUL"), ("a\ud800", "lone surrogate"), (7, "not a string"),
+])
+def test_name_problem_names_each_kind_of_hostile_name(name, why):
+    got = name_problem(name)
+    assert got is None if why is None else why in got

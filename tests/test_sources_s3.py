@@ -6,9 +6,12 @@ retried, resumed, counted or raised as the policy says, with nothing lost or dup
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
+import io
 import json
 import os
+import tarfile
 import time
 
 import pytest
@@ -354,3 +357,125 @@ def test_retry_and_wait_settings_come_from_arguments_then_the_environment(monkey
         S3Store()
     with pytest.raises(ValueError, match="attempts=0"):
         S3Store(attempts=0)
+
+
+# -- hostile object keys: nothing written or deleted outside the staging directory, no other
+# bucket read, each key named in an error or a count -------------------------------------------
+
+
+def _hostile_prefix(s3, tmp_path) -> tuple[str, list[str], object]:
+    """A prefix of the test's own with one good sample and keys an attacker could write:
+    absolute after the prefix (a victim directory with a file in it, as a file and as a .tar to
+    extract), ``..``, ``.``, an empty part, a backslash, and one that joined onto the base
+    names another bucket."""
+    victim = tmp_path / "victim"
+    victim.mkdir(exist_ok=True)
+    (victim / "keep.txt").write_bytes(b"mine")
+    c = s3.client()
+    with contextlib.suppress(c.exceptions.BucketAlreadyOwnedByYou):
+        c.create_bucket(Bucket="other")
+    c.put_object(Bucket="other", Key="secret.jpg", Body=b"SECRET")
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as t:
+        info = tarfile.TarInfo("pwned.jpg")
+        info.size = 5
+        t.addfile(info, io.BytesIO(b"pwned"))
+    hostile = {
+        f"/{victim}/x.jpg": b"outside",  # absolute once the prefix is cut
+        f"/{victim}.tar": tar.getvalue(),  # a directory that exists, + ".tar"
+        "../up.jpg": b"up",
+        "./dot.jpg": b"dot",
+        "a//b.jpg": b"empty part",
+        "b\\c.jpg": b"backslash",
+        "/abc/other/secret.jpg": b"another bucket",  # s3://bkt/corpus + this -> s3://other/...
+    }
+    prefix = tmp_path.name
+    c.put_object(Bucket=BUCKET, Key=f"{prefix}/good.jpg", Body=b"good")
+    for rel, body in hostile.items():
+        c.put_object(Bucket=BUCKET, Key=f"{prefix}/{rel}", Body=body)
+    return f"s3://{BUCKET}/{prefix}", sorted(hostile), victim
+
+
+def _outside_untouched(tmp_path, victim, stage):
+    """Only the victim's own file outside the staging directory; the victim keeps it."""
+    assert sorted(os.listdir(victim)) == ["keep.txt"]
+    assert (victim / "keep.txt").read_bytes() == b"mine"
+    outside = [os.path.join(w, n) for w, _, names in os.walk(tmp_path) for n in names
+               if not os.path.join(w, n).startswith(str(stage) + os.sep)]
+    assert outside == [str(victim / "keep.txt")]
+
+
+@pytest.mark.parametrize("extract", [False, True])
+def test_hostile_keys_are_never_staged_and_each_is_counted(s3, tmp_path, extract):
+    url, hostile, victim = _hostile_prefix(s3, tmp_path)
+    stage = tmp_path / "stage"
+    src = StagedSource(url, str(stage), extract=extract,
+                       on_error="skip", progress=None)
+    assert [f.path for f in src.files] == ["good.jpg"]
+    assert src.skipped == {"unsafe_name": len(hostile)}
+    assert sorted(p.key for p in src.problems) == hostile
+    assert src.keys() == ["good"] and src.read(0).members == {"jpg": b"good"}
+    _outside_untouched(tmp_path, victim, stage)
+
+
+def test_a_hostile_key_raises_naming_it_when_the_policy_raises(s3, tmp_path):
+    url, hostile, victim = _hostile_prefix(s3, tmp_path)
+    with pytest.raises(SourceError) as e:
+        StagedSource(url, str(tmp_path / "stage"), extract=True,
+                     progress=None)
+    assert e.value.reason == "unsafe_name" and e.value.key == hostile[0]
+    _outside_untouched(tmp_path, victim, tmp_path / "stage")
+
+
+def test_hostile_keys_reach_a_dataset_that_skips_as_counted_bad_samples(s3, tmp_path):
+    from PIL import Image
+
+    url, hostile, victim = _hostile_prefix(s3, tmp_path)
+    photo = io.BytesIO()
+    Image.new("RGB", (12, 10), (200, 10, 10)).save(photo, "JPEG")
+    s3.client().put_object(Bucket=BUCKET, Key=f"{tmp_path.name}/good.jpg", Body=photo.getvalue())
+    stage = tmp_path / "stage"
+    ds = fastmm.MultimodalDataset(url, source="staged",
+                                  stage_dir=str(stage), on_error="skip", progress=None,
+                                  size=8, crop="center")
+    assert sorted(ds.source.keys()) == sorted(["good"] + hostile)
+    assert [b["key"] for b in ds.__getitems__(list(range(len(ds))))] == ["good"]
+    assert ds.skipped == {"unsafe_name": len(hostile)}
+    _outside_untouched(tmp_path, victim, stage)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_hostile_keys_read_in_place_never_reach_a_path_or_another_bucket(s3, tmp_path, on_error):
+    url, hostile, victim = _hostile_prefix(s3, tmp_path)
+    other = Fault(path="/other/", times=1000, status=403, code="AccessDenied")
+    s3.faults.append(other)
+    src = PosixSource(url, on_error=on_error)
+    if on_error == "skip":
+        assert src.keys() == ["good"] and src.read(0).members == {"jpg": b"good"}
+        assert src.skipped == {"unsafe_name": len(hostile)}
+        assert sorted(p.key for p in src.problems) == hostile
+    else:  # listed as damaged samples, each raising with its key when read
+        bad = [i for i in range(len(src)) if src.damaged(i)]
+        assert sorted(src.keys()[i] for i in bad) == hostile
+        for i in bad:
+            with pytest.raises(SourceError, match="unsafe_name") as e:
+                src.read(i)
+            assert e.value.key == src.keys()[i]
+    assert other.hits == 0  # the other bucket was never asked for anything
+    _outside_untouched(tmp_path, victim, tmp_path / "none")
+
+
+@pytest.mark.parametrize("published", ["deep", "too large"])
+def test_a_published_index_too_deep_or_too_large_is_ignored_and_the_shard_scanned(s3, tmp_path,
+                                                                                 published):
+    d = tmp_path / "pub"
+    write_shards(_samples(6), str(d), max_count=6)
+    (cache,) = d.glob(".*.fastmm-idx.json") if ShardSource(
+        str(d), index_cache="beside", progress=None).keys() else ()
+    saved = json.loads(cache.read_text())
+    saved["entries"].pop()  # were it read, the last sample would be lost
+    cache.write_bytes(b"[" * 100_000 + b"]" * 100_000 if published == "deep" else
+                      json.dumps(saved).encode() + b" " * (2 << 20))
+    s3.upload_dir(str(d), BUCKET, f"{tmp_path.name}/")
+    src = ShardSource(f"s3://{BUCKET}/{tmp_path.name}/", index_cache="beside", progress=None)
+    assert [src.read(i).members for i in range(len(src))] == [m for _, m in _samples(6)]

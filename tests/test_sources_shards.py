@@ -337,17 +337,30 @@ def test_bad_pax_headers_are_damage_not_a_hang(tmp_path, pax):
     assert list(src.iter_samples()) == []
 
 
-@pytest.mark.parametrize("cache", [b"1", b"[]", b"{}", b'{"stamp": 0, "entries": 0}', None])
+@pytest.mark.parametrize("cache", [b"1", b"[]", b"{}", b'{"stamp": 0, "entries": 0}', "past end",
+                                   "deep", "too large", "hostile key"])
 def test_a_damaged_index_cache_is_rebuilt(tmp_path, cache):
     """Found by fuzz/fuzz.py index: any bytes in the cache beside a shard either are a valid
-    index of it or are ignored; a cache with the right stamp but impossible entries too."""
+    index of it or are ignored; a cache with the right stamp but impossible entries too, one
+    nested too deep to parse, one larger than any index of the shard, and one that calls a
+    sample with a name no scan would allow sound."""
     write_shards(_samples(5), str(tmp_path), max_count=10)
     truth = ShardSource(str(tmp_path), index_cache="beside")
     want = [(k, truth.read(i).members) for i, k in enumerate(truth.keys())]
     (name,) = [n for n in os.listdir(tmp_path) if n.endswith(".fastmm-idx.json")]
     saved = json.loads((tmp_path / name).read_text())
-    if cache is None:  # the right stamp, an entry pointing past the end of the shard
+    shard_size = os.path.getsize(tmp_path / "shard-000000.tar")
+    if cache == "past end":  # the right stamp, an entry pointing past the end of the shard
         saved["entries"][0][2][0][1] = 10**9
+    elif cache == "too large":  # valid, one sample short: read, it would lose that sample
+        saved["entries"].pop()
+    elif cache == "hostile key":
+        saved["entries"][0][0] = "../../etc/passwd"
+    if cache == "deep":
+        cache = b"[" * 100_000 + b"]" * 100_000
+    elif cache == "too large":
+        cache = json.dumps(saved).encode() + b" " * (shard_size + (1 << 20))
+    elif isinstance(cache, str):
         cache = json.dumps(saved).encode()
     (tmp_path / name).write_bytes(cache)
     src = ShardSource(str(tmp_path), index_cache="beside", on_error="raise")

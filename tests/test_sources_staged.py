@@ -662,3 +662,97 @@ def test_a_chunked_connection_dropped_mid_file_is_that_files_problem(tmp_path, m
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _manifest_of(remote, files: dict[str, bytes], listed: list[str]) -> None:
+    """``files`` written under ``remote``; its manifest lists ``listed`` (each with the size and
+    sha256 of the file of that name, or of b"x")."""
+    import hashlib
+
+    for rel, data in files.items():
+        os.makedirs(os.path.dirname(os.path.join(remote, rel)), exist_ok=True)
+        with open(os.path.join(remote, rel), "wb") as f:
+            f.write(data)
+    with open(os.path.join(remote, ".fastmm-files.jsonl"), "w") as f:
+        for rel in listed:
+            data = files.get(rel, b"x")
+            f.write(json.dumps({"path": rel, "size": len(data),
+                                "sha256": hashlib.sha256(data).hexdigest()}) + "\n")
+
+
+def _tar_of(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("extract", [False, True])
+def test_listed_names_that_leave_collide_or_name_the_stage_are_counted_never_copied(tmp_path,
+                                                                                    extract):
+    """A published manifest names files outside the root, the staging directory's own records,
+    and files whose copies would land on one another: none is copied, each is counted by name,
+    and the rest stage and read."""
+    remote, stage = tmp_path / "remote", tmp_path / "stage"
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "keep.txt").write_bytes(b"mine")
+    files = {"good.jpg": b"good", "dup.jpg": b"dup", "c.tar": _tar_of({"in.jpg": b"in"}),
+             "c/x.jpg": b"cx", "d": b"file d", ".fastmm-stage.tar": _tar_of({"a.b": b"!"}),
+             ".tar": _tar_of({"z.jpg": b"z"})}
+    hostile = [str(tmp_path / "victim" / "keep.txt"), "../victim/keep.txt", "a//b.jpg",
+               "./good.jpg", ".fastmm-stage/records/0.json", "d", "d/e.jpg", "dup.jpg",
+               "dup.jpg"]
+    tars = ["c.tar", "c/x.jpg", ".fastmm-stage.tar", ".tar"]
+    if extract:  # unpacked, these would replace other copies or the stage's records
+        hostile += tars
+    _manifest_of(str(remote), files, ["good.jpg", *hostile] + ([] if extract else tars))
+    before = _listing(str(tmp_path))
+    src = StagedSource(str(remote), str(stage), extract=extract, on_error="skip", progress=None)
+    assert sorted(p.key for p in src.problems) == sorted(hostile)
+    assert src.skipped == {"unsafe_name": len(hostile)}
+    assert [f.path for f in src.files] == ["good.jpg"] + ([] if extract else tars)
+    assert (tmp_path / "victim" / "keep.txt").read_bytes() == b"mine"
+    assert {p for p in _listing(str(tmp_path)) - before if not p.startswith("stage")} == set()
+    copy = _copy_of(stage, remote)
+    records = os.listdir(os.path.join(copy, ".fastmm-stage", "records"))
+    assert len(records) == len(src.files) and "0.json" not in records
+    with pytest.raises(SourceError) as e:
+        StagedSource(str(remote), str(tmp_path / "stage2"), extract=extract, progress=None)
+    assert e.value.reason == "unsafe_name"
+
+
+def test_a_tar_made_from_its_directory_unpacks_without_complaint(tmp_path):
+    """``tar -C dir -cf x.tar .`` names members "./a.jpg" under a "./" entry: tar's own form."""
+    remote, stage = tmp_path / "remote", tmp_path / "stage"
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jpg").write_bytes(b"a")
+    remote.mkdir()
+    subprocess.run(["tar", "-C", str(tmp_path / "dir"), "-cf", str(remote / "x.tar"), "."],
+                   check=True)
+    src = StagedSource(str(remote), str(stage), extract=True, on_error="skip", progress=None)
+    assert src.skipped == {}
+    assert [(s.key, s.members) for s in src.iter_samples()] == [("x/a", {"jpg": b"a"})]
+    shards = ShardSource(str(remote), on_error="skip", progress=None)
+    assert shards.keys() == ["./a"] and shards.skipped == {}  # webdataset's key, as it splits
+
+
+def test_a_manifest_over_the_cap_is_refused_whole(tmp_path, monkeypatch):
+    import fastmm.sources.base as base
+
+    remote = tmp_path / "remote"
+    _manifest_of(str(remote), {f"s{i}.jpg": b"x" for i in range(50)},
+                 [f"s{i}.jpg" for i in range(50)])
+    (remote / "m.jsonl").write_text("".join(
+        json.dumps({"key": f"s{i}", "members": {"jpg": f"s{i}.jpg"}}) + "\n" for i in range(50)))
+    size = min(os.path.getsize(remote / n) for n in (".fastmm-files.jsonl", "m.jsonl"))
+    monkeypatch.setattr(base, "MAX_MANIFEST_BYTES", size - 1)
+    for make in (lambda: StagedSource(str(remote), str(tmp_path / "stage"), progress=None),
+                 lambda: PosixSource(str(remote / "m.jsonl"), on_error="skip").keys()):
+        with pytest.raises(SourceError) as e:
+            make()
+        assert e.value.reason == "too_large" and "MAX_MANIFEST_BYTES" in str(e.value)
+    monkeypatch.setattr(base, "MAX_MANIFEST_BYTES", 1 << 20)
+    assert len(PosixSource(str(remote / "m.jsonl")).keys()) == 50

@@ -27,6 +27,8 @@ NOT_SAMPLE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 # A member name splits at the first dot of its last path component, as webdataset's
 # base_plus_ext does ("a/b.seg.png" -> key "a/b", ext "seg.png"), so both group alike.
 _NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+# A manifest or file listing over this is refused whole (1 GiB: some 15 million samples).
+MAX_MANIFEST_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,53 @@ def split_name(name: str) -> tuple[str, str] | tuple[None, None]:
     return m.group(1), m.group(2).lower()
 
 
-def unsafe_name(name: str) -> bool:
-    """True for names that could point outside a root: absolute, ``..`` parts, NUL, empty."""
-    if not name or "\0" in name or name.startswith("/") or "\\" in name:
-        return True
-    return any(part == ".." for part in name.split("/"))
+def name_problem(name) -> str | None:
+    """Why ``name`` (from a store listing, a manifest line, a tar member or an index entry)
+    must not be joined to a local path or a URL, or None where it may. One check for every
+    name from outside: joined to a root it stays under that root, names one thing only (no
+    ``a//b`` or ``a/./b`` beside ``a/b``), and never turns into another bucket."""
+    if not isinstance(name, str):
+        return "not a string"
+    if not name:
+        return "empty name"
+    if "\0" in name:
+        return "NUL in name"
+    if "\\" in name:
+        return "backslash in name"
+    if name.startswith("/"):
+        return "absolute name"
+    parts = name.split("/")
+    if "" in parts:
+        return "empty path part ('//' or a trailing '/')"
+    if "." in parts or ".." in parts:
+        return "'.' or '..' path part"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid UTF-8 (a lone surrogate)"
+    return None
+
+
+def tar_member_path(name: str) -> str:
+    """A tar member's name as a relative path: without tar's own leading ``./`` (what ``tar -C
+    dir -cf x.tar .`` writes), to be checked with ``name_problem``."""
+    while name.startswith("./"):
+        name = name[2:]
+    return name
+
+
+def read_capped(f, origin: str) -> bytes:
+    """All of ``f`` (a manifest or a listing from outside), or SourceError "too_large" naming
+    ``origin`` when it is over MAX_MANIFEST_BYTES: a hostile or runaway file never fills memory."""
+    cap = MAX_MANIFEST_BYTES
+    parts, got = [], 0
+    while got <= cap and (chunk := f.read(min(1 << 20, cap + 1 - got))):
+        parts.append(chunk)
+        got += len(chunk)
+    if got > cap:
+        raise SourceError("too_large", "", origin, f"over {cap:,} bytes (MAX_MANIFEST_BYTES); "
+                          "split the corpus into several manifests, or write it as tar shards")
+    return b"".join(parts)
 
 
 def check_split(rank: int, world_size: int, worker: int, num_workers: int) -> None:

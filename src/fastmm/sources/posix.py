@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import stat
@@ -15,9 +16,10 @@ from .base import (
     Source,
     SourceError,
     check_split,
+    name_problem,
+    read_capped,
     slot_of,
     split_name,
-    unsafe_name,
 )
 from .s3 import S3Store, is_s3
 
@@ -34,6 +36,9 @@ class PosixSource(Source):
     ``s3://bucket/path/manifest.jsonl``, each member one GET through ``store`` (default: an
     S3Store from the standard AWS configuration).
     ``required``: extensions every sample must have, else it is reported as "missing_member".
+    ``rejected``: (name, where, why) of files a listing named but nothing may read (a staged
+    source's hostile names): each is a damaged sample "unsafe_name", raised or counted when
+    reached, so a name is never lost without a count.
     """
 
     kind = "posix"
@@ -49,6 +54,7 @@ class PosixSource(Source):
         before_open: Callable[[str], None] | None = None,
         keep_problems: int = 100,
         store: S3Store | None = None,
+        rejected: Sequence[tuple[str, str, str]] = (),
         _errors=None,
     ):
         super().__init__(on_error=on_error, keep_problems=keep_problems, _errors=_errors)
@@ -69,6 +75,7 @@ class PosixSource(Source):
         self.required = tuple(required)
         self.max_member_bytes = max_member_bytes
         self._files = None if files is None else list(files)
+        self._rejected = list(rejected)
         self._before_open = before_open  # a staged source copies the file here first
         self._entries: list[tuple[str, dict[str, str], str, tuple[str, str] | None]] | None = None
 
@@ -78,6 +85,7 @@ class PosixSource(Source):
         if self._entries is None:
             raw = self._scan_manifest() if self._manifest else self._scan_tree()
             entries = []
+            raw = itertools.chain(raw, _rejected_entries(self._rejected))
             for key, members, origin, problem in raw:
                 if problem is None:
                     missing = [e for e in self.required if e not in members]
@@ -92,10 +100,17 @@ class PosixSource(Source):
 
     def _scan_tree(self):
         unlisted: list[OSError] = []  # directories os.walk could not list
+        rejected: list[tuple[str, str, str]] = []  # (key, its URL, why) from a store listing
         if self._files is not None:
             rels = sorted(self._files)
         elif self._store is not None:
-            rels = [rel for rel, _ in self._store.files_under(self.root)]
+            rels = []
+            for rel, obj in self._store.files_under(self.root):
+                why = name_problem(rel)
+                if why is None:
+                    rels.append(rel)
+                else:
+                    rejected.append((rel, obj.url, why))
         else:
             rels = []
             for dirpath, dirnames, filenames in os.walk(self.root, onerror=unlisted.append):
@@ -118,6 +133,7 @@ class PosixSource(Source):
             members, dup = groups[key]
             problem = ("duplicate_member", f"{dup[0]} repeats an extension") if dup else None
             yield key, members, os.path.join(self.root, key), problem
+        yield from _rejected_entries(rejected)
         for e in unlisted:  # one damaged entry stands for a directory's unknown samples
             if e.errno in NOT_SAMPLE_ERRNOS:
                 raise e
@@ -127,11 +143,10 @@ class PosixSource(Source):
     def _scan_manifest(self):
         if self._before_open is not None:
             self._before_open(self.root)
-        if self._store is not None:
-            lines = self._store.read(self.root).split(b"\n")
-        else:
-            with open(self.root, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line
-                lines = f.read().split(b"\n")
+        # bytes: a line that is not UTF-8 is one bad line
+        with (self._store.open(self._store.head(self.root)) if self._store is not None
+              else open(self.root, "rb")) as f:
+            lines = read_capped(f, self.root).split(b"\n")
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -154,12 +169,9 @@ class PosixSource(Source):
                     "not {key: str, members: {ext: path}}",
                 )
                 continue
-            bad = [p for p in members.values() if unsafe_name(p)]
+            bad = [(p, why) for p in members.values() if (why := name_problem(p))]
             if bad:
-                yield key, {}, origin, (
-                    "unsafe_name",
-                    f"member path {bad[0]!r} leaves the root",
-                )
+                yield key, {}, origin, ("unsafe_name", f"member path {bad[0][0]!r}: {bad[0][1]}")
                 continue
             yield key, {ext.lower(): p for ext, p in members.items()}, origin, None
 
@@ -255,3 +267,9 @@ class PosixSource(Source):
                     yield sample
                 else:
                     self.report(problem[0], sample.key, sample.origin, problem[1])
+
+
+def _rejected_entries(rejected):
+    """Index entries for names nothing may read: damaged samples, never joined to a path."""
+    for name, where, why in rejected:
+        yield name, {}, where, ("unsafe_name", f"{name!r}: {why}")

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from ..config import ObjectStoreConfig
+from .base import name_problem
 
 SCHEME = "s3://"
 
@@ -140,8 +141,10 @@ class S3Store:
 
     def files_under(self, url: str) -> list[tuple[str, ObjectInfo]]:
         """(path relative to ``url``, object) for each object under the "directory" ``url``,
-        sorted; names with a part starting with "." are left out, as a local walk leaves them.
-        FileNotFoundError where nothing is under it: a typo, not an empty corpus."""
+        sorted; well-formed names with a part starting with "." are left out, as a local walk
+        leaves them. Paths are the store's keys, hostile or not: callers check each with
+        ``name_problem`` and report the bad ones. FileNotFoundError where nothing is under it:
+        a typo, not an empty corpus."""
         bucket, prefix = split_url(url.rstrip("/") + "/")
         out = []
         try:
@@ -158,7 +161,8 @@ class S3Store:
             raise FileNotFoundError(errno.ENOENT, "no objects under the prefix", url)
         rel = len(SCHEME) + len(bucket) + 1 + len(prefix)
         return [(o.url[rel:], o) for o in sorted(out, key=lambda o: o.url)
-                if not any(part.startswith(".") for part in o.url[rel:].split("/"))]
+                if name_problem(o.url[rel:]) is not None
+                or not any(part.startswith(".") for part in o.url[rel:].split("/"))]
 
     def head(self, url: str) -> ObjectInfo:
         bucket, key = split_url(url)

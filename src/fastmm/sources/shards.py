@@ -21,13 +21,20 @@ from typing import Callable, Iterable, Iterator, Literal, Sequence
 
 from .base import (
     NOT_SAMPLE_ERRNOS, OnReadError, ProgressLines, Sample, Source, SourceError, check_split,
-    slot_of, split_name, to_stderr, unsafe_name,
+    name_problem, slot_of, split_name, tar_member_path, to_stderr,
 )
 from .s3 import ObjectInfo, S3Store, is_s3
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _MAX_EXT_HEADER = 1 << 20  # a pax or GNU long-name header larger than this is garbage
+
+
+def index_cap(shard_size: int) -> int:
+    """The most bytes an offset index of a shard of ``shard_size`` may take: each member costs
+    the shard a 512-byte header and the index some 40 bytes and its name, so a larger one is
+    not that shard's (it is ignored, and the shard scanned)."""
+    return shard_size + (1 << 20)
 
 
 @dataclass
@@ -187,8 +194,8 @@ def _group(members: Iterable[Member]) -> Iterator[_Entry]:
                     "not_a_file",
                     f"{m.name} is a {m.kind}; links and devices are not followed",
                 )
-            elif unsafe_name(m.name):
-                problem = ("unsafe_name", f"member name {m.name!r}")
+            elif why := name_problem(tar_member_path(m.name)):
+                problem = ("unsafe_name", f"member name {m.name!r}: {why}")
             elif key is None:
                 problem = ("bad_name", f"{m.name!r} has no extension")
         if m.name is None and cur is not None:
@@ -211,7 +218,8 @@ def _group(members: Iterable[Member]) -> Iterator[_Entry]:
 
 def _valid_index(entries, file_size: int) -> bool:
     """A cached index is used only if it could describe the shard: every member inside it, in
-    order, after its sample's header (fuzz/fuzz.py index feeds it any bytes)."""
+    order, after its sample's header, and every sample it calls sound named as a scan would
+    allow (fuzz/fuzz.py index feeds it any bytes)."""
 
     def count(x) -> bool:
         return type(x) is int and x >= 0
@@ -228,6 +236,8 @@ def _valid_index(entries, file_size: int) -> bool:
             return False
         key, offset, members, problem = entry
         if not all(member(m, offset) for m in members):
+            return False
+        if problem is None and name_problem(tar_member_path(key)) is not None:
             return False
         if problem is not None and not (isinstance(problem, list) and len(problem) == 2
                                         and all(isinstance(p, str) for p in problem)):
@@ -250,7 +260,10 @@ class ShardSource(Source):
     where they differ). ``read`` is one ranged GET per sample. ``iter_samples`` reads shards
     sequentially without the index; whole shards go round-robin to (rank, worker) pairs in
     webdataset's order (see ``slot_of``). Indexing that runs over 5 s sends a line to
-    ``progress`` (default: stderr; None for none) every 5 s and when it ends."""
+    ``progress`` (default: stderr; None for none) every 5 s and when it ends.
+    ``rejected``: (name, where, why) of shards a listing named but nothing may open (a staged
+    source's hostile names): each comes after the others as a shard that cannot be opened,
+    its samples one damaged entry, raised or counted when reached."""
 
     kind = "shards"
 
@@ -266,6 +279,7 @@ class ShardSource(Source):
         keep_problems: int = 100,
         progress: Callable[[str], None] | None = to_stderr,
         store: S3Store | None = None,
+        rejected: Sequence[tuple[str, str, str]] = (),
         _errors=None,
     ):
         super().__init__(on_error=on_error, keep_problems=keep_problems, _errors=_errors)
@@ -296,6 +310,8 @@ class ShardSource(Source):
             self.shards = [os.path.abspath(root)]
         else:  # a typo, not an empty corpus
             raise FileNotFoundError(errno.ENOENT, "no shard directory or shard", root)
+        self._refused = {where: ("unsafe_name", f"{name!r}: {why}") for name, where, why in rejected}
+        self.shards += list(self._refused)
         if index_cache not in ("memory", "beside"):
             raise ValueError(f"index_cache={index_cache!r}; use 'memory' or 'beside'")
         self.required = tuple(required)
@@ -334,7 +350,9 @@ class ShardSource(Source):
 
     def _open_or_problem(self, shard: str, buffering: int = 1 << 20):
         """(the shard open, None), or (None, (reason, message)) for a shard that cannot be
-        opened: gone, unreadable, or a staged copy that failed."""
+        opened: gone, unreadable, refused, or a staged copy that failed."""
+        if shard in self._refused:
+            return None, self._refused[shard]
         try:
             return self._open(shard, buffering), None
         except SourceError as e:  # from staging on first touch
@@ -357,13 +375,16 @@ class ShardSource(Source):
         size and could describe it (the mtime it was made with is the publisher's, not the
         object's: reads check headers instead), else None."""
         try:
-            saved = json.loads(self._store.read(cache))
             size = self._object(shard).size
+            blob = self._store.read(cache, 0, index_cap(size) + 1)
+            if len(blob) > index_cap(size):
+                return None
+            saved = json.loads(blob)
             if (saved["stamp"][0] == size and saved["stamp"][2] == self.max_member_bytes
                     and _valid_index(saved["entries"], size)):
                 return saved["entries"]
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
-            pass  # none published, or not usable: the shard is scanned
+        except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+            pass  # none published, or not usable (too large, too deep): the shard is scanned
         return None
 
     def _scan(self, shard: str) -> list:
@@ -381,11 +402,13 @@ class ShardSource(Source):
                 stamp = [st.st_size, st.st_mtime_ns, self.max_member_bytes]
                 try:
                     with open(cache, encoding="utf-8") as c:
+                        if os.fstat(c.fileno()).st_size > index_cap(st.st_size):
+                            raise ValueError("larger than any index of this shard")
                         saved = json.load(c)
                     if saved["stamp"] == stamp and _valid_index(saved["entries"], st.st_size):
                         return saved["entries"]
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass  # scanned again, and rewritten
+                except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                    pass  # scanned again (too large, too deep, stale or garbled), and rewritten
             entries = []
             try:
                 for e in _group(
@@ -618,7 +641,7 @@ def write_shards(
 
     for item in samples:
         key, members = (item.key, item.members) if isinstance(item, Sample) else item
-        if split_name(f"{key}.x") != (key, "x") or unsafe_name(key):
+        if split_name(f"{key}.x") != (key, "x") or name_problem(key):
             raise ValueError(
                 f"key {key!r} cannot be a shard key (no dot in its last part, no '..', not absolute)"
             )

@@ -8,6 +8,7 @@ in ``staging_cost`` so studies can charge them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -26,7 +27,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
 from ..config import SourceConfig
-from .base import OnReadError, ProgressLines, Sample, Source, SourceError, to_stderr, unsafe_name
+from .base import (
+    OnReadError, ProgressLines, Sample, Source, SourceError, name_problem,
+    read_capped, tar_member_path, to_stderr,
+)
 from .posix import PosixSource
 from .s3 import ObjectInfo, S3Store, is_s3
 from .shards import ShardSource, iter_members
@@ -120,6 +124,11 @@ class StagedSource(Source):
     ``<name>/``: member names are validated, links and devices never created, sizes capped, and
     nothing is written outside the staging directory. ``entry`` names the path inside the staged
     tree the inner source opens (e.g. a posix manifest). Other keywords go to the inner source.
+    Names in the listing that cannot be staged safely (see ``_listing``) are never copied: with
+    on_error="raise" they raise SourceError "unsafe_name" when the source opens; with "skip"
+    they are counted; with ``defer_failures`` and "raise" they reach the inner source as
+    damaged samples (posix) or shards (shards), raised when read, so a dataset's own policy
+    counts them (``rejected`` keeps them, with where they were listed and why).
     ``staging_cost``: this process's seconds (copying, verifying and waiting for other stagers),
     bytes and files it copied itself, and bytes/s. A staging pass that runs over 5 s sends a
     line to ``progress`` (default: stderr; None for none) every 5 s and when it ends."""
@@ -156,7 +165,7 @@ class StagedSource(Source):
             )
         if extract and (mode != "before" or inner != "posix"):
             raise ValueError("extract=True needs mode='before' and inner='posix'")
-        if entry and unsafe_name(entry):
+        if entry and name_problem(entry):
             raise ValueError(f"entry={entry!r} must be a relative path inside the staged tree")
         url = root.startswith(("http://", "https://")) or is_s3(root)
         self.remote = root.rstrip("/") if url else os.path.abspath(root)
@@ -183,6 +192,7 @@ class StagedSource(Source):
         self.staging_cost = {"seconds": 0.0, "bytes": 0, "bytes_per_s": 0.0, "files": 0}
         self.staging_failed: list[str] = []  # mode "before", deferred: tried again when read
         self._by_path: dict[str, RemoteFile] = {}
+        self.rejected: list[tuple[str, str, str]] = []  # (name, where listed, why): not staged
         self.files = self._listing()
         self._by_path = {f.path: f for f in self.files}
         self._done: set[str] = set()
@@ -214,6 +224,7 @@ class StagedSource(Source):
             self.inner: Source = PosixSource(
                 os.path.join(self.stage_dir, entry),
                 files=files,
+                rejected=self.rejected,
                 before_open=hook,
                 on_error=on_error,
                 max_member_bytes=max_member_bytes,
@@ -233,8 +244,13 @@ class StagedSource(Source):
             inner_options.setdefault(
                 "index_cache", "beside"
             )  # the staging directory is ours to write
+            unread = [r for r in self.rejected if not r[0].endswith(".tar")]
+            if unread and progress is not None:  # no shard reader would reach them: named here
+                progress(f"not staged: {len(unread)} listed names that cannot be staged safely, "
+                         f"e.g. {unread[0][0]!r} ({unread[0][2]})")
             self.inner = ShardSource(
                 shards,
+                rejected=[r for r in self.rejected if r[0].endswith(".tar")],
                 before_open=hook,
                 progress=progress,
                 on_error=on_error,
@@ -284,12 +300,42 @@ class StagedSource(Source):
         return os.fdopen(fd, "rb")
 
     def _listing(self) -> list[RemoteFile]:
+        """The remote's files whose copies can land in the staging directory. Each other one is
+        raised or counted ("unsafe_name", as on_error says) with its name: a name that fails
+        ``name_problem``, one that names the staging directory's own records, or one whose
+        copy would land on another's (a file and a directory of one name, a ``.tar`` unpacked
+        over another file), which would overwrite or delete it."""
+        listed = self._remote_files()
+        finals = collections.Counter(self._final(f.path) for f, _, why in listed if why is None)
+        dirs = {final.rsplit("/", n)[0] for final in finals for n in range(1, final.count("/") + 1)}
+        out = []
+        for f, where, why in listed:
+            final = self._final(f.path)
+            if why is None:
+                if name_problem(final) or final.split("/")[0] == META:
+                    why = f"its copy would be {final!r}, which the staging directory keeps for itself"
+                elif finals[final] > 1 or final in dirs or any(
+                        final.rsplit("/", n)[0] in finals for n in range(1, final.count("/") + 1)):
+                    why = (f"its copy {final!r} would land on another listed file's (a file and a "
+                           "directory of one name, or a .tar unpacked over another file)")
+            if why is None:
+                out.append(f)
+            elif self.defer_failures and self.on_error == "raise":
+                self.rejected.append((f.path, where, why))  # the inner source's damaged ones
+            else:
+                self.report("unsafe_name", f.path, where, why)  # raised now, or counted
+        return out
+
+    def _remote_files(self) -> list[tuple[RemoteFile, str, str | None]]:
+        """(file, where it was listed, ``name_problem`` of its path) for each file the remote's
+        manifest lists, else the objects under an S3 prefix, else a local walk."""
+        manifest = f"{self.remote}/{MANIFEST}"
         try:
-            with self._open_remote(MANIFEST) as f:
-                text = f.read().decode("utf-8", "replace")  # a bad line fails as that line
+            with self._open_remote(MANIFEST) as f:  # a bad line fails as that line
+                text = read_capped(f, manifest).decode("utf-8", "replace")
         except (OSError, urllib.error.URLError) as e:
             if self._s3 is not None and isinstance(e, FileNotFoundError):  # no manifest: list
-                return [RemoteFile(rel, o.size, etag=o.etag)
+                return [(RemoteFile(rel, o.size, etag=o.etag), o.url, name_problem(rel))
                         for rel, o in self._s3.files_under(self.remote)]
             if self._url or self._s3 is not None:
                 raise SourceError(
@@ -302,7 +348,8 @@ class StagedSource(Source):
             out = []
             for rel in _walk(self.remote):
                 st = os.stat(os.path.join(self.remote, rel))
-                out.append(RemoteFile(rel, st.st_size, None, st.st_mtime_ns))
+                out.append((RemoteFile(rel, st.st_size, None, st.st_mtime_ns),
+                            os.path.join(self.remote, rel), None))
             return out
         out = []
         for n, line in enumerate(text.splitlines(), 1):
@@ -310,20 +357,18 @@ class StagedSource(Source):
                 continue
             try:
                 obj = json.loads(line)
-                rf = RemoteFile(str(obj["path"]), int(obj["size"]), obj.get("sha256"))
+                rf = RemoteFile(obj["path"], int(obj["size"]), obj.get("sha256"))
+                if not isinstance(rf.path, str) or rf.size < 0:
+                    raise ValueError(f"path {rf.path!r} is not a string, or size {rf.size} < 0")
             except (ValueError, KeyError, TypeError, RecursionError) as e:  # deep nesting
-                raise SourceError(
-                    "bad_manifest", "", f"{self.remote}/{MANIFEST}:{n}", str(e)[:300]
-                ) from e
-            if unsafe_name(rf.path) or rf.size < 0:
-                raise SourceError(
-                    "unsafe_name",
-                    rf.path,
-                    f"{self.remote}/{MANIFEST}:{n}",
-                    "listed path leaves the root",
-                )
-            out.append(rf)
+                raise SourceError("bad_manifest", "", f"{manifest}:{n}", str(e)[:300]) from e
+            out.append((rf, f"{manifest}:{n}", name_problem(rf.path)))
         return out
+
+    def _final(self, path: str) -> str:
+        """Where ``path``'s copy lands in the staging directory: a ``.tar`` to extract becomes
+        the directory it unpacks to."""
+        return path[: -len(".tar")] if self.extract and path.endswith(".tar") else path
 
     def _stamp(self, f: RemoteFile) -> dict:
         if f.sha256:
@@ -443,8 +488,8 @@ class StagedSource(Source):
                 )
             if _sha256_file(tmp) != digest:  # what landed on the local disk, read back
                 raise SourceError("checksum", f.path, tmp, "local copy differs from the bytes read")
-            extracted = self.extract and f.path.endswith(".tar")
-            final = f.path[: -len(".tar")] if extracted else f.path
+            final = self._final(f.path)
+            extracted = final != f.path
             dest = os.path.join(self.stage_dir, final)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             if extracted:
@@ -483,9 +528,10 @@ class StagedSource(Source):
     def _copied_paths(self, f: RemoteFile) -> list[str]:
         """The paths of ``f``'s copy: its own, or the files unpacked from it (the source's
         listing now: what a tar removed since left behind is not read)."""
-        if not (self.extract and f.path.endswith(".tar")):
+        final = self._final(f.path)
+        if final == f.path:
             return [f.path]
-        top = os.path.join(self.stage_dir, f.path[: -len(".tar")])
+        top = os.path.join(self.stage_dir, final)
         return sorted(os.path.relpath(os.path.join(where, name), self.stage_dir).replace(os.sep, "/")
                       for where, _, names in os.walk(top) for name in names)
 
@@ -494,7 +540,8 @@ class StagedSource(Source):
         not of the remote file: every copy would meet it."""
         return isinstance(e, OSError) and (
             e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
-            or str(e.filename or "").startswith(self.stage_dir + os.sep))
+            or (str(e.filename or "").startswith(self.stage_dir + os.sep)
+                and e.errno != errno.ENAMETOOLONG))  # a name too long: that file's problem
 
     def _staging_error(self, what: str, e: OSError) -> StagingError:
         return StagingError(
@@ -518,11 +565,16 @@ class StagedSource(Source):
                 if m.kind in ("link", "special"):
                     self.report("not_a_file", name, where, f"{m.kind} members are never created")
                     continue
-                parts = [p for p in name.split("/") if p not in ("", ".")]
-                if unsafe_name(name) or not parts:
-                    self.report("unsafe_name", name, where, "absolute, '..' or empty member name")
+                rel = tar_member_path(name)
+                if m.kind == "dir":
+                    rel = rel.rstrip("/")
+                    if rel in ("", "."):  # the archive's own top ("./")
+                        continue
+                why = name_problem(rel)
+                if why is not None:
+                    self.report("unsafe_name", name, where, why)
                     continue
-                target = os.path.join(out, *parts)
+                target = os.path.join(out, rel)
                 try:
                     if m.kind == "dir":
                         os.makedirs(target, exist_ok=True)
