@@ -31,6 +31,54 @@ def test_throttled_server_holds_its_rate(tmp_path):
     assert 0.45 <= elapsed <= 1.5  # 2 MB at 4 MB/s
 
 
+@pytest.mark.slow  # a spawned process imports torch: seconds
+def test_the_server_runs_in_a_process_of_its_own(tmp_path):
+    """Not threads of the measuring process (they would take the loop's GIL): a child of the
+    study, whose CPU the busy meter counts as the study's own and which the study can read."""
+    import os
+    import urllib.request
+
+    import psutil
+
+    (tmp_path / "blob").write_bytes(b"y" * 1_000_000)
+    with study_staging.ServerProcess(study_staging.files_server, str(tmp_path), 4e6, 0.0) as server:
+        assert server.process.pid != os.getpid()
+        assert server.process.pid in {c.pid for c in psutil.Process().children(recursive=True)}
+        t0 = time.perf_counter()
+        data = urllib.request.urlopen(server.serving.url + "/blob").read()
+        assert data == b"y" * 1_000_000 and time.perf_counter() - t0 >= 0.2  # 1 MB at 4 MB/s
+        assert server.serving.env == {} and server.cpu_s() > 0
+    assert not server.process.is_alive()
+
+
+def _ratio(n):
+    return stats.summarize([1.5] * n)
+
+
+def test_the_finding_says_how_many_repetitions_staging_paid_in():
+    staging = stats.summarize([2.0] * 6)
+    assert study_staging.pays_for_itself(_ratio(6), stats.summarize([4.0] * 6), staging) == (
+        "Staging took 2.0 s [2.0-2.0] (95% CI), so it pays for itself after 4.0 epochs "
+        "[4.0-4.0] (95% CI).")
+    # one repetition not faster: not "does not pay for itself"
+    assert study_staging.pays_for_itself(_ratio(6), stats.summarize([4.0] * 5), staging) == (
+        "The staged copy was read faster in 5 of the 6 repetitions only, so whether staging "
+        "pays for itself is not shown (in those 5: after 4.0 epochs [4.0-4.0] (range of 5)).")
+    assert study_staging.pays_for_itself(_ratio(6), None, staging) == (
+        "The staged copy was read no faster in any of the 6 repetitions: staging did not pay "
+        "for itself in them.")
+
+
+def test_epochs_without_batches_are_not_the_same_bytes():
+    def rep(digest, samples):
+        epoch = {"digest": digest, "samples": samples}
+        return dict.fromkeys(study_staging.EPOCHS, epoch)
+
+    assert study_staging.same_bytes([rep("0badf00d", 48), rep("0badf00d", 48)])
+    assert not study_staging.same_bytes([rep("0badf00d", 48), rep("0badf00e", 48)])
+    assert not study_staging.same_bytes([rep("00000000", 0), rep("00000000", 0)])
+
+
 @pytest.mark.slow
 def test_staging_study_end_to_end(tmp_path):
     out = tmp_path / "out"
@@ -39,6 +87,11 @@ def test_staging_study_end_to_end(tmp_path):
     result = json.loads((out / "staging.json").read_text())
     assert result["correctness"]["ok"]
     assert len(result["reps"]) == 6  # the fewest that give a 95% CI
+    # each repetition starts with the arm the last one ran second
+    orders = [["in place", "staged"], ["staged", "in place"]] * 3
+    assert [r["order"] for r in result["reps"]] == orders
+    assert [r["order"] for r in result["object_store"]["reps"]] == orders
+    assert all(r["server_cpu_s"] > 0 for r in result["reps"] + result["object_store"]["reps"])
     data_bytes = result["data"]["bytes"]
     for rep in result["reps"]:
         cost = rep["staging_cost"]

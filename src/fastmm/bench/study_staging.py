@@ -8,7 +8,9 @@ atomic) and its cost is charged; the page cache of the staged copy is dropped be
 epoch (posix_fadvise DONTNEED), so "staged" means read from local disk, and a second, warm epoch
 is reported apart. Reported: staging cost, epoch time of each arm, and the break-even number of
 epochs, staging_s / (in_place_epoch_s - staged_epoch_s). Every epoch's batches are digested:
-both arms must deliver the same bytes.
+both arms must deliver the same bytes. Each repetition runs both arms, the one first that the
+last ran second (``harness.rotated``); the servers run in a process of their own (a child of
+the study: the busy meter counts their CPU as the study's, not as other processes').
 
 The object-store arm does the same for tar shards in an S3 store (moto's server on 127.0.0.1
 behind a proxy adding the same latency per request and the bandwidth cap per connection, as S3
@@ -22,10 +24,13 @@ each arm: (staging + opening the copy - opening in place) / epoch time saved. Ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import http.server
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -33,11 +38,13 @@ import time
 import urllib.parse
 import urllib.request
 import zlib
+from dataclasses import dataclass
+from unittest import mock
 
 import torch
 from torch.utils.data import Dataset
 
-from . import env, options, plots, stats
+from . import env, harness, options, plots, stats
 from .corpus import default_cache_dir
 from .harness import OtherCores
 from .mmcorpus import CorpusSpec
@@ -84,6 +91,94 @@ class ThrottledServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a server process sends the study once it listens: its URL, and the environment a
+    client needs (a store's endpoint and keys; nothing for plain HTTP)."""
+
+    url: str
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def files_server(root: str, bytes_per_s: float, latency_s: float):
+    """The slow storage of the HTTP arm: ``root`` served by a ThrottledServer."""
+    server = ThrottledServer(root, bytes_per_s, latency_s)
+    try:
+        yield Serving(server.url, {})
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def store_server(shard_dir: str, latency_s: float, bytes_per_s: float):
+    """The object store of the S3 arm: ``shard_dir`` uploaded to s3://corpus/shards/ in a
+    LocalS3 (moto's server behind the throttling proxy)."""
+    from .s3server import LocalS3
+
+    with LocalS3(latency_s=latency_s, bytes_per_s=bytes_per_s) as s3:
+        s3.upload_dir(shard_dir, "corpus", "shards/")
+        yield Serving(s3.env["AWS_ENDPOINT_URL"], s3.env)
+
+
+def _serve(conn, make, *args) -> None:
+    """A server process: start ``make(*args)``, say where it listens, and serve until the
+    study closes its end of the pipe (or ends)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the with: moto's server too
+    with make(*args) as serving:
+        conn.send(serving)
+        with contextlib.suppress(EOFError):
+            conn.recv()
+
+
+class ServerProcess:
+    """``with ServerProcess(files_server, ...) as server:`` a server in a process of its own,
+    ``server.serving`` where it listens. As threads of the measuring process the server would
+    take the loop's GIL, and its CPU could not be told from the loop's; as a child process it
+    counts as the study's own in the busy meter, and ``cpu_s`` gives it apart."""
+
+    def __init__(self, make, *args):
+        context = multiprocessing.get_context("spawn")  # no copy of a parent with threads
+        self._conn, theirs = context.Pipe()
+        self.process = context.Process(target=_serve, args=(theirs, make, *args), daemon=True)
+        self.process.start()
+        theirs.close()
+        try:
+            self.serving: Serving = self._conn.recv()
+        except EOFError:
+            self.close()
+            raise RuntimeError(f"the {make.__name__} process ended (exit code "
+                               f"{self.process.exitcode}) before it listened") from None
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server's processes have used so far."""
+        return harness.tree_cpu_s(self.process.pid)
+
+    def close(self) -> None:
+        self._conn.close()
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+ARMS = ("in place", "staged")  # a repetition runs both, in the order harness.rotated gives
+EPOCHS = ("in_place", "staged_cold", "staged_warm")
+
+
+def same_bytes(reps: list[dict]) -> bool:
+    """Every epoch of both arms delivered the same batches, and some: epochs with no batch
+    digest alike but compare nothing."""
+    seen = {(x[k]["digest"], x[k]["samples"]) for x in reps for k in EPOCHS}
+    return len(seen) == 1 and next(iter(seen))[1] > 0
 
 
 class ImageFiles(Dataset):
@@ -137,7 +232,8 @@ def timed_epoch(dataset, args, images=lambda batch: batch) -> dict:
         digest = zlib.crc32(pixels.numpy().tobytes(), digest)
         n += len(pixels)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "samples_per_s": n / seconds, "digest": f"{digest:08x}"}
+    return {"seconds": seconds, "samples_per_s": n / seconds, "samples": n,
+            "digest": f"{digest:08x}"}
 
 
 def epoch(base: str, paths: list[str], args) -> dict:
@@ -156,7 +252,6 @@ def object_store_arm(root: str, work: str, args) -> dict:
     docstring): per repetition, the open (index) and epoch times of both arms and staging."""
     import fastmm
     from ..sources import ShardSource, open_source, write_shards
-    from .s3server import LocalS3
 
     files = open_source("posix", os.path.join(root, "posix", "manifest.jsonl"))
     samples = [files.read(i) for i in range(len(files))]
@@ -176,36 +271,34 @@ def object_store_arm(root: str, work: str, args) -> dict:
         out = fastmm.ShardStream(ds, seed=args.seed)  # indexes the shards
         return ds, out, opened, time.perf_counter() - t0
 
+    def in_place() -> dict:
+        _, remote, listed_s, index_s = stream(source="shards", index_cache="beside")
+        return {"in_place": shard_epoch(remote, args), "in_place_open_s": listed_s + index_s}
+
+    def staged(stage_dir: str) -> dict:
+        ds, local, staging_s, staged_index_s = stream(source="staged", inner="shards",
+                                                      stage_dir=stage_dir)
+        drop_page_cache(ds.source.stage_dir)
+        return {"staged_cold": shard_epoch(local, args), "staged_warm": shard_epoch(local, args),
+                "staging_s": staging_s, "staged_open_s": staged_index_s,
+                "staging_cost": ds.source.staging_cost}
+
     reps = []
-    with LocalS3(latency_s=args.latency_ms / 1e3, bytes_per_s=args.mb_per_s * 1e6) as s3, \
-            s3.environ():
-        s3.upload_dir(shard_dir, "corpus", "shards/")
+    with ServerProcess(store_server, shard_dir, args.latency_ms / 1e3,
+                       args.mb_per_s * 1e6) as store, mock.patch.dict(os.environ, store.serving.env):
         for r in range(args.reps):
             stage_dir = os.path.join(work, f"s3-stage-{r}")
-            with OtherCores() as others:
-                _, remote, listed_s, index_s = stream(source="shards", index_cache="beside")
-                in_place = shard_epoch(remote, args)
-                ds, local, staging_s, staged_index_s = stream(
-                    source="staged", inner="shards", stage_dir=stage_dir)
-                drop_page_cache(ds.source.stage_dir)
-                cold = shard_epoch(local, args)
-                warm = shard_epoch(local, args)
-            reps.append({"in_place": in_place, "in_place_open_s": listed_s + index_s,
-                         "staged_cold": cold,
-                         "staged_warm": warm, "staging_s": staging_s,
-                         "staged_open_s": staged_index_s,
-                         "staging_cost": ds.source.staging_cost,
-                         "other_processes_cpu_cores": others.cores})
+            rep = _repetition(r, store, in_place, lambda: staged(stage_dir))
+            reps.append(rep)
             shutil.rmtree(stage_dir)
-            print(f"[staging] object store rep {r + 1}/{args.reps}: in place "
-                  f"{listed_s + index_s:.2f} s "
-                  f"open + {in_place['seconds']:.2f} s epoch, staging {staging_s:.2f} s, "
-                  f"staged epoch {cold['seconds']:.2f} s cold / {warm['seconds']:.2f} s warm",
-                  file=sys.stderr, flush=True)
+            print(f"[staging] object store rep {r + 1}/{args.reps} ({' first, '.join(rep['order'])}"
+                  f" second): in place {rep['in_place_open_s']:.2f} s open + "
+                  f"{rep['in_place']['seconds']:.2f} s epoch, staging {rep['staging_s']:.2f} s, "
+                  f"staged epoch {rep['staged_cold']['seconds']:.2f} s cold / "
+                  f"{rep['staged_warm']['seconds']:.2f} s warm", file=sys.stderr, flush=True)
     inp = [x["in_place"]["seconds"] for x in reps]
     cold = [x["staged_cold"]["seconds"] for x in reps]
     once = [x["staging_s"] + x["staged_open_s"] - x["in_place_open_s"] for x in reps]
-    digests = {x[k]["digest"] for x in reps for k in ("in_place", "staged_cold", "staged_warm")}
     return {
         "store": {"kind": "S3 protocol (moto's server) on 127.0.0.1, through a proxy",
                   "mb_per_s_per_connection": args.mb_per_s, "latency_ms": args.latency_ms},
@@ -221,10 +314,25 @@ def object_store_arm(root: str, work: str, args) -> dict:
         "break_even_epochs": stats.summarize(
             [max(o, 0.0) / (i - c) if i > c else None for o, i, c in zip(once, inp, cold)]),
         "correctness": {"check": "every epoch of both arms delivers byte-identical batches",
-                        "ok": len(digests) == 1},
+                        "ok": same_bytes(reps)},
         "other_processes_cpu_cores": [x["other_processes_cpu_cores"] for x in reps],
+        "server_cpu_s": stats.summarize([x["server_cpu_s"] for x in reps]),
         "reps": reps,
     }
+
+
+def _repetition(index: int, server: ServerProcess, in_place, staged) -> dict:
+    """One repetition: both arms, in the order ``harness.rotated`` gives for it, with the cores
+    other processes used and the CPU the server used meanwhile."""
+    order = harness.rotated(list(ARMS), index)
+    rep = {"order": order}
+    with OtherCores() as others:
+        cpu0 = server.cpu_s()
+        for arm in order:
+            rep.update(in_place() if arm == "in place" else staged())
+        rep["server_cpu_s"] = server.cpu_s() - cpu0
+    rep["other_processes_cpu_cores"] = others.cores
+    return rep
 
 
 def run(args) -> dict:
@@ -241,28 +349,32 @@ def run(args) -> dict:
                        for d, _, fs in os.walk(os.path.join(remote, "image")) for f in fs
                        if f.endswith((".jpg", ".png")))  # not the captions and labels
         total = sum(os.path.getsize(os.path.join(remote, p)) for p in paths)
-        server = ThrottledServer(remote, args.mb_per_s * 1e6, args.latency_ms / 1e3)
+
+        def in_place() -> dict:
+            return {"in_place": epoch(server.serving.url, paths, args)}
+
+        def staged(stage_dir: str) -> dict:
+            t0 = time.perf_counter()
+            source = StagedSource(server.serving.url, stage_dir, mode="before")
+            staging_s = time.perf_counter() - t0
+            drop_page_cache(source.stage_dir)
+            return {"staged_cold": epoch(source.stage_dir, paths, args),
+                    "staged_warm": epoch(source.stage_dir, paths, args),
+                    "staging_s": staging_s, "staging_cost": source.staging_cost}
+
         reps = []
-        try:
+        with ServerProcess(files_server, remote, args.mb_per_s * 1e6,
+                           args.latency_ms / 1e3) as server:
             for r in range(args.reps):
-                with OtherCores() as others:
-                    in_place = epoch(server.url, paths, args)
-                    stage_dir = os.path.join(work, f"stage-{r}")
-                    t0 = time.perf_counter()
-                    source = StagedSource(server.url, stage_dir, mode="before")
-                    staging_s = time.perf_counter() - t0
-                    drop_page_cache(source.stage_dir)
-                    cold = epoch(source.stage_dir, paths, args)
-                    warm = epoch(source.stage_dir, paths, args)
-                reps.append({"in_place": in_place, "staged_cold": cold, "staged_warm": warm,
-                             "staging_s": staging_s, "staging_cost": source.staging_cost,
-                             "other_processes_cpu_cores": others.cores})
+                stage_dir = os.path.join(work, f"stage-{r}")
+                rep = _repetition(r, server, in_place, lambda: staged(stage_dir))
+                reps.append(rep)
                 shutil.rmtree(stage_dir)
-                print(f"[staging] rep {r + 1}/{args.reps}: in place {in_place['seconds']:.2f} s, "
-                      f"staging {staging_s:.2f} s, staged epoch {cold['seconds']:.2f} s cold / "
-                      f"{warm['seconds']:.2f} s warm", file=sys.stderr, flush=True)
-        finally:
-            server.close()
+                print(f"[staging] rep {r + 1}/{args.reps} ({' first, '.join(rep['order'])} "
+                      f"second): in place {rep['in_place']['seconds']:.2f} s, staging "
+                      f"{rep['staging_s']:.2f} s, staged epoch {rep['staged_cold']['seconds']:.2f}"
+                      f" s cold / {rep['staged_warm']['seconds']:.2f} s warm",
+                      file=sys.stderr, flush=True)
         s3_arm = None if args.no_object_store else object_store_arm(root, work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -270,7 +382,6 @@ def run(args) -> dict:
     cold = [x["staged_cold"]["seconds"] for x in reps]
     staging = [x["staging_s"] for x in reps]
     break_even = [s / (i - c) if i > c else None for s, i, c in zip(staging, inp, cold)]
-    digests = {x[k]["digest"] for x in reps for k in ("in_place", "staged_cold", "staged_warm")}
     result = {
         "environment": env.capture(env.module_argv(__spec__, __name__),
                                    loader_config={"batch_size": args.batch,
@@ -286,7 +397,8 @@ def run(args) -> dict:
         "staged_over_in_place_throughput": stats.summarize(stats.paired_ratios(inp, cold)),
         "break_even_epochs": stats.summarize(break_even),
         "correctness": {"check": "every epoch of both arms delivers byte-identical batches",
-                        "ok": len(digests) == 1},
+                        "ok": same_bytes(reps)},
+        "server_cpu_s": stats.summarize([x["server_cpu_s"] for x in reps]),
         "busy": busy_notes("staging", [x["other_processes_cpu_cores"] for x in reps]),
         "reps": reps,
     }
@@ -308,11 +420,7 @@ def finding(result: dict) -> dict:
             f"as reading in place from {s['mb_per_s']:g} MB/s storage with {s['latency_ms']:g} "
             f"ms a request ({result['in_place_epoch_s']['median']:.1f} s against "
             f"{result['staged_epoch_s_cold']['median']:.1f} s an epoch). ")
-    if be and be["n"] == ratio["n"]:
-        text += (f"Staging took {stats.interval(result['staging_s'], 1, ' s')}, so it pays for "
-                 f"itself after {stats.interval(be, 1, ' epochs')}.")
-    else:
-        text += "Staging does not pay for itself: the staged copy was not always read faster."
+    text += pays_for_itself(ratio, be, result["staging_s"])
     if "object_store" in result:
         text += " " + object_store_finding(result["object_store"])
     return {"text": text, "call": call, "label": label}
@@ -328,11 +436,23 @@ def object_store_finding(arm: dict) -> str:
             f"{arm['staged_epoch_s_cold']['median']:.1f} s; opening in place, the listing and "
             f"published indexes, took {arm['in_place_open_s']['median']:.1f} s). ")
     if not arm["correctness"]["ok"]:
-        return text + "The two arms delivered different bytes: not comparable."
-    if be and be["n"] == ratio["n"]:
-        return text + (f"Staging took {stats.interval(arm['staging_s'], 1, ' s')} and pays for "
-                       f"itself after {stats.interval(be, 1, ' epochs')}.")
-    return text + "Staging does not pay for itself there: the copy was not always read faster."
+        return text + "The epochs did not all deliver the same batches (or none): not comparable."
+    return text + pays_for_itself(ratio, be, arm["staging_s"])
+
+
+def pays_for_itself(ratio: dict, be: dict | None, staging: dict) -> str:
+    """What the repetitions showed about the break-even, no more: it exists only in the
+    repetitions where the staged copy was read faster (``be`` counts those)."""
+    n, faster = ratio["n"], be["n"] if be else 0
+    if faster == n:
+        return (f"Staging took {stats.interval(staging, 1, ' s')}, so it pays for itself after "
+                f"{stats.interval(be, 1, ' epochs')}.")
+    if not faster:
+        return (f"The staged copy was read no faster in any of the {n} repetitions: staging did "
+                "not pay for itself in them.")
+    return (f"The staged copy was read faster in {faster} of the {n} repetitions only, so "
+            f"whether staging pays for itself is not shown (in those {faster}: after "
+            f"{stats.interval(be, 1, ' epochs')}).")
 
 
 def figures(result: dict) -> list[tuple]:
