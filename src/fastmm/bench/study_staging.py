@@ -526,8 +526,11 @@ def _setup(result: dict) -> list[str]:
         + ", ".join(f"{p}: {m['device']} ({m['fstype']})" for p, m in e["storage"].items()),
         f"Slow storage: {s['kind']}, {s['mb_per_s']} MB/s shared, {s['latency_ms']} ms per "
         f"request. Data: {d['images']} images, {d['bytes'] / 1e6:.1f} MB. One factor: where the "
-        "bytes are read from; the same loader, decode, crops, order and seeds in both arms. "
-        f"Intervals: {stats.CI_METHOD}.",
+        "bytes are read from; the same loader, decode, crops, order and seeds in both arms, "
+        "each repetition starting with the arm the last one ran second. The server runs in a "
+        "process of its own on this machine's cores "
+        f"({stats.interval(result['server_cpu_s'], 1, ' s')} of CPU a repetition, counted as the "
+        f"study's own, not as other processes'). Intervals: {stats.CI_METHOD}.",
         f"Correctness: {result['correctness']['check']}: "
         f"{'ok' if result['correctness']['ok'] else 'FAILED'}.",
     ] + ([] if "object_store" not in result else [_s3_setup(result["object_store"])])
@@ -539,7 +542,8 @@ def _s3_setup(arm: dict) -> str:
             f"connection, {s['latency_ms']} ms per request; {d['samples']} images in "
             f"{d['shards']} tar shards, {d['bytes'] / 1e6:.1f} MB; both arms read with "
             "fastmm.ShardStream (the same shard order, seed and center crops), decode on the "
-            "same pil path. The store runs on this machine's cores too. Correctness: "
+            "same pil path. The store runs in a process of its own on this machine's cores too "
+            f"({stats.interval(arm['server_cpu_s'], 1, ' s')} of CPU a repetition). Correctness: "
             f"{arm['correctness']['check']}: {'ok' if arm['correctness']['ok'] else 'FAILED'}.")
 
 
