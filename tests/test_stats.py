@@ -94,3 +94,25 @@ def test_fewer_than_six_lower_ratios_say_lower_not_faster():
     assert stats.decision(ratio(0.5, 0.6, 0.7), ok=True, higher_is_better=False) == (
         "undecided", "0.60x [0.50-0.70] (range of 3): lower in all 3 repetitions; 6 or more "
         "repetitions make a 95% CI to decide on")
+
+
+def _arm(speed, memory) -> dict:
+    return {"ratio": ratio(*speed), "memory_ratio": memory and ratio(*memory),
+            "correctness": {"ok": True}}
+
+
+FASTER = (1.20, 1.22, 1.25, 1.28, 1.30, 1.35)
+
+
+@pytest.mark.parametrize("memory, call, said", [
+    ((1.00, 1.02, 1.03, 1.05, 1.08, 1.10), "roll out", "beyond the 5% roll-out bar"),
+    # the median (1.04x) is under the 1.10x bar, the interval is not: not shown, no roll-out
+    ((0.98, 1.02, 1.03, 1.05, 1.08, 1.30), "keep the baseline",
+     "but it holds 1.04x [0.98-1.30] (95% CI) the host memory: not shown within the 1.10x bar"),
+    (None, "keep the baseline", "but its host memory was not measured"),
+])
+def test_a_faster_arm_rolls_out_only_within_the_memory_bar_on_its_interval(memory, call, said):
+    from fastmm.bench.ab import decide
+
+    got_call, label = decide(_arm(FASTER, memory))
+    assert got_call == call and said in label

@@ -521,12 +521,16 @@ def summarize_arm(arm: Arm, reps: list[dict], parent_reps: list[dict] | None) ->
 
 
 def decide(entry: dict) -> tuple[str, str]:
-    """The roll-out / roll-back call on an arm, and what it rests on."""
+    """The roll-out / roll-back call on an arm, and what it rests on. A faster arm rolls out
+    only where its host memory is shown to stay within MEMORY_BAR of its parent's: the whole
+    interval of the memory ratio, not its median, at or under the bar."""
     call, label = stats.decision(entry["ratio"], ok=entry["correctness"]["ok"])
     memory = entry.get("memory_ratio")
-    if call == "roll out" and memory and memory["median"] > MEMORY_BAR:
+    if call == "roll out" and (not memory or memory["ci_high"] > MEMORY_BAR):
         call = "keep the baseline"
-        label += f"; but it holds {memory['median']:.2f}x the host memory (bar {MEMORY_BAR:.2f}x)"
+        held = (f"it holds {stats.interval(memory, 2, 'x')} the host memory" if memory
+                else "its host memory was not measured")
+        label += f"; but {held}: not shown within the {MEMORY_BAR:.2f}x bar"
     return call, label
 
 
