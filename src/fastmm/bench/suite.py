@@ -70,11 +70,12 @@ NAMES = ("loader", "pipeline", "staging", "gpu-decode", "decode-rates", "shards"
 
 
 def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
-    """A part's command-line arguments. Sized so that the whole job stays under 10 minutes on
-    a 2-core machine with a margin for slow days, the headline figures with 6 repetitions (the
-    fewest that give a 95% CI). The defaults took 458-513 s here on 2026-12-06 (loader 89,
-    pipeline 111, staging 79 with its object-store arm, gpu-decode 43, shards 190 with the
-    store's layouts and two node launches, in the slower run). Each
+    """A part's command-line arguments. Sized so that the whole job takes about 10 minutes on
+    a 2-core machine, the headline figures with 6 repetitions (the fewest that give a 95% CI).
+    The defaults took 677 s here on 2026-12-06 at c2b0195, since every call rests on a content
+    check (loader 96, pipeline 175, staging 102 with its object-store arm, gpu-decode 47,
+    shards 257 with the store's layouts, two node launches and each layout's samples read back
+    and compared); 458-513 s before those checks. Each
     part's own default run is fuller (the loader's decode cases, 400 images to stage, three
     shard sizes)."""
     where = ["--out", os.path.join(out, name), "--cache-dir", cache]
