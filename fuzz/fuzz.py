@@ -52,6 +52,7 @@ with atheris.instrument_imports(include=["fastmm"]):
 
     import fastmm
     from fastmm import _twin, collate, resume
+    from fastmm._messages import Inline, InSlab, Packed, TensorSpec
     from fastmm.decode import mp4
     from fastmm.sources import SourceError, StagedSource
     from fastmm.sources.base import name_problem
@@ -361,11 +362,13 @@ def layout_one(data: bytes) -> None:
                 -1 if fdp.ConsumeBool() else 1)
         elif type(row[field]) is int:
             row[field] = _edgy(fdp, 64) * (-1 if fdp.ConsumeBool() else 1)
-    places = [tuple(p) for p in places]
-    tensors = [(slot, dtype, tuple(shape), tuple(stride), lo)
+    # the records a worker sends; a row whose kind was spoiled stays a bare tuple (refused)
+    places = [Inline(*p[1:]) if p[0] == "inline" else InSlab(*p[1:]) if p[0] == "slab"
+              else tuple(p) for p in places]
+    tensors = [TensorSpec(slot, dtype, tuple(shape), tuple(stride), lo)
                for slot, dtype, shape, stride, lo in tensors]
     try:
-        batch = collate.unpack((places, tensors, collate_payload(len(tensors))), views)
+        batch = collate.unpack(Packed(places, tensors, collate_payload(len(tensors))), views)
     except ValueError:
         return
     for t in batch:  # each tensor's reachable bytes lie inside its place's bytes

@@ -37,7 +37,7 @@ def transport(request, monkeypatch):
 @pytest.fixture
 def native(transport):
     """The module behind ``transport``: fastmm._C, or its pure-Python twin fastmm._twin."""
-    from fastmm.slabs import native_backend
+    from fastmm._native import native_backend
 
     return native_backend()
 

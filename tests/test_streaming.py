@@ -169,24 +169,22 @@ def writer(transport):
     writer = SlabWriter(worker_sock, TransportConfig(pure_python=transport == "pure"))
     pool = SlabPool(keep_free=1)
     pool.connect(0, main_sock)
-    collate.set_writer(writer)
     writer.begin()
     yield writer
-    collate.set_writer(None)
     pool.close()
     writer.close()
     worker_sock.close()
     main_sock.close()
 
 
-def _streamed_batch(samples, keep):
+def _streamed_batch(samples, keep, writer):
     """Samples made one by one into a batch of len(samples); ``keep`` picks (and orders) the
     ones the producer hands to collation."""
-    with collate.streaming(len(samples)) as batch:
+    with collate.streaming(len(samples), writer) as batch:
         with _streaming.sample_by_sample() as put:
             placed = [put(sample, position) for position, sample in enumerate(samples)]
         assert all(p is not s for p, s in zip(placed, samples))  # every one streamed
-        return collate.worker_collate_fn(default_collate)(keep(placed)), batch
+        return collate.worker_collate_fn(default_collate, writer)(keep(placed)), batch
 
 
 @pytest.mark.parametrize("keep", [
@@ -198,21 +196,21 @@ def _streamed_batch(samples, keep):
 ], ids=["all", "first_skipped", "middle_skipped", "reversed", "one_replaced"])
 def test_collation_takes_streamed_samples_in_any_order(writer, keep):
     samples = [_image(i) for i in range(6)]
-    batch, streamed = _streamed_batch(samples, keep)
+    batch, streamed = _streamed_batch(samples, keep, writer)
     assert torch.equal(batch, torch.stack(keep(samples)))
 
 
 def test_a_producer_inside_another_leaves_the_slots_to_it(writer):
     """A dataset whose __getitem__ calls another's sample-by-sample __getitems__: the inner
     one's samples come back unchanged, so the outer producer's slots are never overwritten."""
-    with collate.streaming(2):
+    with collate.streaming(2, writer):
         with _streaming.sample_by_sample() as outer:
             with _streaming.sample_by_sample() as inner:
                 inner_sample = _image(7)
                 assert inner(inner_sample, 0) is inner_sample
             first = outer(_image(1), 0)
             second = outer(_image(2), 1)
-        batch = collate.worker_collate_fn(default_collate)([first, second])
+        batch = collate.worker_collate_fn(default_collate, writer)([first, second])
     assert torch.equal(batch, torch.stack([_image(1), _image(2)]))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .slabs import native_backend
+from ._native import native_backend
 
 
 def interleaved_bytes(t: torch.Tensor) -> bool:

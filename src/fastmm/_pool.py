@@ -11,6 +11,7 @@ had claimed cannot be taken for its own.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import pickle
 import queue
@@ -20,21 +21,31 @@ import threading
 import time
 import warnings
 
-from torch.utils.data import _utils as torch_utils
-
+from . import _torch
+from ._messages import Restore, Stop, WorkerSpec
 from ._workers import StopFlag, worker_loop
 from .slabs import SlabPool, open_files_guard
 
-STATUS_CHECK_INTERVAL_S = torch_utils.MP_STATUS_CHECK_INTERVAL
+STATUS_CHECK_INTERVAL_S = _torch.MP_STATUS_CHECK_INTERVAL
 _OPEN_POOLS: dict[int, "WorkerPool"] = {}  # id -> each pool not yet shut down
 
 
 class WorkerPool:
-    """``num_workers`` worker processes running ``_workers.worker_loop`` with ``args`` (a
-    dict of its keyword arguments but the per-worker ones), and their channels, by worker id."""
+    """The loader's worker processes running ``_workers.worker_loop``, and their channels, by
+    worker id.
 
-    def __init__(self, num_workers: int, context, slab_pool: SlabPool, args: dict, warn_as_torch):
-        self.context, self.slab_pool, self.args = context, slab_pool, args
+    Args:
+        num_workers: how many.
+        context: the multiprocessing context they start in.
+        slab_pool: the main process's slab pool, which each worker's fd socket joins.
+        spec: what they share; each gets its own id, channels and ``Restore``.
+        warn_as_torch: calls a warning function as torch's module would (its warnings'
+            filters then apply).
+    """
+
+    def __init__(self, num_workers: int, context, slab_pool: SlabPool, spec: WorkerSpec,
+                 warn_as_torch):
+        self.context, self.slab_pool, self.spec = context, slab_pool, spec
         self.owner_pid = os.getpid()
         self.done_event = StopFlag(context)
         self.processes: list = [None] * num_workers
@@ -48,9 +59,8 @@ class WorkerPool:
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_POOLS[id(self)] = self
 
-    def start(self, worker_id: int, restore: tuple, shared_seed: int) -> None:
-        """Start worker ``worker_id`` (``restore``: the RNG states, samples to drop and stream
-        state it begins from, resume.py)."""
+    def start(self, worker_id: int, restore: Restore, shared_seed: int) -> None:
+        """Start worker ``worker_id`` from ``restore`` (resume.py)."""
         ends = []  # closed again if the worker cannot start
         try:
             with open_files_guard(f"starting DataLoader worker {worker_id}"):
@@ -62,11 +72,11 @@ class WorkerPool:
                 result_recv, result_send, fd_main, fd_worker = ends[1:]
                 process = self.context.Process(
                     target=worker_loop,
-                    kwargs=dict(self.args, index_queue=index_queue, result_conn=result_send,
-                                fd_sock=fd_worker, done_event=self.done_event,
-                                worker_id=worker_id, shared_seed=shared_seed, restore=restore,
-                                start_method=self.context.get_start_method(),
-                                main_pid=self.owner_pid),
+                    args=(dataclasses.replace(
+                        self.spec, index_queue=index_queue, result_conn=result_send,
+                        fd_sock=fd_worker, done_event=self.done_event, worker_id=worker_id,
+                        shared_seed=shared_seed, restore=restore,
+                        start_method=self.context.get_start_method(), main_pid=self.owner_pid),),
                     name=f"fastmm-worker-{worker_id}",
                     daemon=True,
                 )
@@ -103,6 +113,10 @@ class WorkerPool:
         self.index_queues[worker_id].close()
         self.slab_pool.forget(self.channels[worker_id])
         self.channels[worker_id] = max(self.channels) + 1
+
+    def stop(self, worker_id: int) -> None:
+        """Tell worker ``worker_id`` to exit once it is done with what it was given."""
+        self.index_queues[worker_id].put(Stop())
 
     def kill(self, worker_id: int) -> None:
         """SIGKILL: a worker stuck in C can be stopped no other way."""
@@ -166,7 +180,7 @@ def _close_open_pools() -> None:
             workers += pool.started()
             if pool.signal_id:  # their ends are not failures for torch's SIGCHLD handler
                 try:
-                    torch_utils.signal_handling._remove_worker_pids(pool.signal_id)
+                    _torch.remove_worker_pids(pool.signal_id)
                 except (RuntimeError, ValueError):
                     pass
     _OPEN_POOLS.clear()

@@ -28,7 +28,14 @@ def create_slab(dir: str, nbytes: int) -> int:
 
 
 def gather(dst, offset: int, srcs, stride: int) -> None:
-    """Copy ``srcs[i]`` into ``dst`` at ``offset + i*stride``."""
+    """Copy ``srcs[i]`` into ``dst`` at ``offset + i*stride``, as fastmm._C.gather.
+
+    Args:
+        dst: a writable buffer.
+        offset: where the first source goes, in bytes.
+        srcs: buffers to copy, in order.
+        stride: bytes from one source's place to the next's.
+    """
     if offset < 0 or stride < 0:
         raise ValueError("offset and stride must be non-negative")
     out = _writable_bytes(dst)

@@ -1,15 +1,5 @@
 """Worker processes: the same duties and seeding as torch's workers, slab transport instead of
-a result queue of shared-memory segments.
-
-Messages from the main process (on the worker's index queue):
-  ("task", send_idx, index, spare)  fetch and collate one batch (or one sample); spare: seconds
-                                   the loop spent outside next() last step (see slabs.py)
-  ("resume", shared_seed, epoch)   a new epoch on persistent workers; epoch: the main process's
-                                   hooks.epoch, passed on to this copy (else None)
-  None                             exit
-Messages to the main process (on the worker's result connection): a Result for each task;
-  ("resumed",) acknowledges a resume. New slabs' descriptors are sent on the fd socket first;
-  the pool's news comes on that socket too (slabs.SlabWriter._sync).
+a result queue of shared-memory segments. What they are told and answer: _messages.py.
 """
 
 from __future__ import annotations
@@ -29,14 +19,11 @@ import time
 from typing import NamedTuple
 
 import torch
-from torch._utils import ExceptionWrapper
-from torch.utils.data import IterDataPipe, _DatasetKind
-from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
-from torch.utils.data._utils import worker as torch_worker
-from torch.utils.data._utils.fetch import _IterableDatasetFetcher, _MapDatasetFetcher
-from torch.utils.data.graph_settings import apply_random_seed
+from torch.utils.data import IterDataPipe
 
-from . import _streaming, collate, hooks, resume
+from . import _streaming, _torch, collate, hooks, resume
+from ._messages import Restore, Result, Resume, Resumed, Stop, Task, WorkerSpec
+from ._torch import DatasetKind, ExceptionWrapper
 from .slabs import IDLE_WORKER_S, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
@@ -97,19 +84,6 @@ def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
         value = (value * const_b) & mask
         state.append((value ^ (value >> shift)) & mask)
     return state
-
-
-class Result(NamedTuple):
-    """A worker's answer to a task."""
-
-    send_idx: int
-    status: str  # "data", "error" (payload: an ExceptionWrapper) or "end" (an iterable ran out)
-    payload: object  # collate.pack's
-    used: list  # the slots of the slabs the payload lies in
-    new: list  # (slot, generation, capacity) of slabs created for it (fds: on the fd socket)
-    rng: object  # the worker's RNG states after the task if it changed them, else None
-    stream: object  # an IterableDataset's resume.stream_state() after the task (resume.py)
-    counts: object  # its row of the dataset's skip counts (hooks.py) if the task changed it
 
 
 class StopFlag:
@@ -192,145 +166,156 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def worker_loop(
-    dataset_kind,
-    dataset,
-    index_queue,
-    result_conn,
-    fd_sock,
-    done_event,
-    auto_collation,
-    collate_fn,
-    drop_last,
-    base_seed,
-    init_fn,
-    worker_id,
-    num_workers,
-    shared_seed,
-    transport,
-    restore=(None, 0, None),
-    start_method="fork",
-    main_pid=None,
-):
+def worker_loop(spec: WorkerSpec) -> None:
+    """A worker process's life: set up and seeded as torch sets up its workers, then one Result
+    for each Task, until Stop or the loader's process is gone."""
     try:
         # Objects inherited from the main process (the dataset's lists, torch's modules) are
         # left out of this worker's garbage collections: a full collection writes into every
         # object it visits, which would copy each page holding one into this process.
         gc.freeze()
-        _exit_when_orphaned(start_method, main_pid)
-        signal_handling._set_worker_signal_handlers()
-        if transport.worker_malloc == "reuse":
+        _exit_when_orphaned(spec.start_method, spec.main_pid)
+        _torch.set_worker_signal_handlers()
+        if spec.transport.worker_malloc == "reuse":
             reuse_freed_memory()
         torch.set_num_threads(1)
-        seed = base_seed + worker_id
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-
-            np.random.seed(numpy_seed(base_seed, worker_id))
-        except ImportError:
-            pass
-
-        shared_rng = torch.Generator()
-        if isinstance(dataset, IterDataPipe):
-            shared_rng.manual_seed(shared_seed)
-            dataset = apply_random_seed(dataset, shared_rng)
-
-        # User code calls torch.utils.data.get_worker_info(): it must see this worker.
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
-        )
-        writer = SlabWriter(fd_sock, transport)
-        collate.set_writer(writer)
-        slab_collate = collate.worker_collate_fn(collate_fn)
-
-        def make_fetcher():
-            fetcher = _MapFetcher if dataset_kind == _DatasetKind.Map else _IterableFetcher
-            return fetcher(dataset, auto_collation, slab_collate, drop_last)
-
-        # default-collated batches stream their samples into the slab as they are made
-        streams = auto_collation and collate.is_default(collate_fn)
-
-        init_exception = None
-        fetcher = None
-        try:
-            if init_fn is not None:
-                init_fn(worker_id)
-            fetcher = _restore(make_fetcher, dataset, *restore)
-        except Exception:
-            init_exception = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
-        rng_watch = resume.Watch(resume.capture_rng)
-        counters = hooks.skip_counts(dataset)
-        counts_watch = resume.Watch(lambda _: None if counters is None else counters.row(worker_id))
-
-        iteration_end = False
-        idle_timeout = IDLE_WORKER_S
-        while True:
-            try:
-                message = index_queue.get(timeout=idle_timeout)
-            except queue.Empty:
-                if done_event.is_set():  # told to stop, but the exit message is not coming
-                    break
-                if idle_timeout == IDLE_WORKER_S:  # no work for a while: unmap the slabs here
-                    writer.trim()
-                idle_timeout = MP_STATUS_CHECK_INTERVAL
-                continue
-            idle_timeout = IDLE_WORKER_S
-            if message is None:
-                break
-            if message[0] == "resume":
-                result_conn.send(("resumed",))
-                iteration_end = False
-                if isinstance(dataset, IterDataPipe):
-                    shared_rng.manual_seed(message[1])
-                    dataset = apply_random_seed(dataset, shared_rng)
-                if message[2] is not None:
-                    dataset.set_epoch(message[2])
-                fetcher = make_fetcher()
-                continue
-            if done_event.is_set() or iteration_end:
-                continue
-            _, send_idx, index, writer.loop_spare_s = message
-            writer.begin()
-            if init_exception is not None:
-                result, init_exception = ("error", init_exception), None
-            else:
-                size = len(index) if streams and hasattr(index, "__len__") else None
-                with collate.streaming(size):
-                    result = _fetch(fetcher, index, dataset_kind, worker_id)
-                if result[0] == "end":
-                    iteration_end = True
-            stream = None
-            if dataset_kind == _DatasetKind.Iterable and result[0] in ("data", "end"):
-                # what a resumed or replacement worker goes on from (resume.py)
-                stream = resume.stream_state(dataset, fetcher, ran_out=result[0] == "end",
-                                             sent=True)
-            try:
-                payload = collate.pack(result[1], writer) if result[0] != "end" else None
-                status = result[0]
-            except Exception:
-                payload = collate.pack(
-                    ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"), writer
-                )
-                status = "error"
-            del result
-            used, new = writer.finish()
-            # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
-            result_conn.send_bytes(pickle.dumps(
-                Result(send_idx, status, payload, used, new, rng_watch.changed(),
-                       stream, counts_watch.changed()), pickle.DEFAULT_PROTOCOL))
-            del payload, message, index
+        _Worker(spec).serve()
     except KeyboardInterrupt:
         pass
     except (BrokenPipeError, ConnectionResetError, EOFError):
         pass  # the main process went away; nothing is waiting for this worker's results
     finally:
-        torch_worker._worker_info = None
-        collate.set_writer(None)
+        _torch.set_worker_info(None)
 
 
-class _MapFetcher(_MapDatasetFetcher):
+class _Outcome(NamedTuple):
+    """What fetching a task gave: "data" (the batch), "error" (an ExceptionWrapper) or "end"
+    (an IterableDataset ran out)."""
+
+    status: str
+    value: object = None
+
+
+class _Worker:
+    """One worker's state between tasks: its dataset and fetcher, its slab writer, and what
+    it last sent of its RNG, stream and skip-count states."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        worker_id = spec.worker_id
+        seed = spec.base_seed + worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(numpy_seed(spec.base_seed, worker_id))
+        except ImportError:
+            pass
+        self.shared_rng = torch.Generator()
+        self.dataset = spec.dataset
+        if isinstance(self.dataset, IterDataPipe):
+            self.shared_rng.manual_seed(spec.shared_seed)
+            self.dataset = _torch.apply_random_seed(self.dataset, self.shared_rng)
+        # User code calls torch.utils.data.get_worker_info(): it must see this worker.
+        _torch.set_worker_info(_torch.WorkerInfo(
+            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset))
+        self.writer = SlabWriter(spec.fd_sock, spec.transport)
+        self.collate = collate.worker_collate_fn(spec.collate_fn, self.writer)
+        # default-collated batches stream their samples into the slab as they are made
+        self.streams = spec.auto_collation and collate.is_default(spec.collate_fn)
+        self.init_error = None
+        self.fetcher = None
+        try:
+            if spec.init_fn is not None:
+                spec.init_fn(worker_id)
+            self.fetcher = _restore(self.make_fetcher, self.dataset, spec.restore)
+        except Exception:
+            self.init_error = self.error()
+        self.rng_watch = resume.Watch(resume.capture_rng)
+        counters = hooks.skip_counts(self.dataset)
+        self.counts_watch = resume.Watch(
+            lambda _: None if counters is None else counters.row(worker_id))
+        self.ended = False  # its IterableDataset ran out this epoch
+
+    def error(self):
+        return ExceptionWrapper(where=f"in DataLoader worker process {self.spec.worker_id}")
+
+    def make_fetcher(self):
+        fetcher = _MapFetcher if self.spec.dataset_kind == DatasetKind.Map else _IterableFetcher
+        return fetcher(self.dataset, self.spec.auto_collation, self.collate, self.spec.drop_last)
+
+    def serve(self) -> None:
+        idle_timeout = IDLE_WORKER_S
+        while True:
+            try:
+                message = self.spec.index_queue.get(timeout=idle_timeout)
+            except queue.Empty:
+                if self.spec.done_event.is_set():  # told to stop, but Stop is not coming
+                    break
+                if idle_timeout == IDLE_WORKER_S:  # no work for a while: unmap the slabs here
+                    self.writer.trim()
+                idle_timeout = _torch.MP_STATUS_CHECK_INTERVAL
+                continue
+            idle_timeout = IDLE_WORKER_S
+            if isinstance(message, Stop):
+                break
+            if isinstance(message, Resume):
+                self.resume(message)
+            elif not (self.spec.done_event.is_set() or self.ended):
+                self.answer(message)
+
+    def resume(self, message: Resume) -> None:
+        self.spec.result_conn.send(Resumed())
+        self.ended = False
+        if isinstance(self.dataset, IterDataPipe):
+            self.shared_rng.manual_seed(message.shared_seed)
+            self.dataset = _torch.apply_random_seed(self.dataset, self.shared_rng)
+        if message.epoch is not None:
+            self.dataset.set_epoch(message.epoch)
+        self.fetcher = self.make_fetcher()
+
+    def answer(self, task: Task) -> None:
+        """Fetch, collate and pack the task's batch into slabs, and send its Result."""
+        self.writer.loop_spare_s = task.spare_s
+        self.writer.begin()
+        if self.init_error is not None:  # worker_init_fn raised: the first task says so
+            outcome, self.init_error = _Outcome("error", self.init_error), None
+        else:
+            index = task.index
+            size = len(index) if self.streams and hasattr(index, "__len__") else None
+            with collate.streaming(size, self.writer):
+                outcome = self.fetch(index)
+            self.ended = outcome.status == "end"
+        stream = None
+        if self.spec.dataset_kind == DatasetKind.Iterable and outcome.status != "error":
+            # what a resumed or replacement worker goes on from (resume.py)
+            stream = resume.stream_state(self.dataset, self.fetcher, ran_out=self.ended,
+                                         sent=True)
+        status = outcome.status
+        try:
+            payload = collate.pack(outcome.value, self.writer) if status != "end" else None
+        except Exception:
+            payload, status = collate.pack(self.error(), self.writer), "error"
+        del outcome
+        used, new = self.writer.finish()
+        # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
+        self.spec.result_conn.send_bytes(pickle.dumps(
+            Result(task.send_idx, status, payload, used, new, self.rng_watch.changed(),
+                   stream, self.counts_watch.changed()), pickle.DEFAULT_PROTOCOL))
+
+    def fetch(self, index) -> _Outcome:
+        try:
+            return _Outcome("data", self.fetcher.fetch(index))
+        except StopIteration:
+            if self.spec.dataset_kind == DatasetKind.Iterable:
+                return _Outcome("end")
+            return _Outcome("error", self.error())
+        except Exception:
+            return _Outcome("error", self.error())
+
+
+class _MapFetcher(_torch.MapDatasetFetcher):
     """torch's fetcher for map-style datasets, handing each sample to the batch as it is made
     (_streaming.py) where the dataset has no ``__getitems__``."""
 
@@ -342,7 +327,7 @@ class _MapFetcher(_MapDatasetFetcher):
         return self.collate_fn(data)
 
 
-class _IterableFetcher(_IterableDatasetFetcher):
+class _IterableFetcher(_torch.IterableDatasetFetcher):
     """torch's fetcher for iterable datasets, handing each sample to the batch as it is made."""
 
     def fetch(self, possibly_batched_index):
@@ -361,28 +346,17 @@ class _IterableFetcher(_IterableDatasetFetcher):
         return self.collate_fn(data)
 
 
-def _restore(make_fetcher, dataset, rng_state, skip_items: int, stream: tuple | None):
+def _restore(make_fetcher, dataset, restore: Restore):
     """A restored worker's fetcher: its IterableDataset goes on from the stream state it had
     after its last batch handed out, or pulls and drops the samples it had handed out (which
     brings a deterministic iterator to the same place); then the RNG states it had then."""
-    fetcher = resume.resumed_fetcher(make_fetcher, dataset, stream)
-    for _ in range(skip_items):
+    fetcher = resume.resumed_fetcher(make_fetcher, dataset, restore.stream)
+    for _ in range(restore.skip):
         try:
             next(fetcher.dataset_iter)
         except StopIteration:
             fetcher.ended = True
             break
-    if rng_state is not None:
-        resume.apply_rng(rng_state)
+    if restore.rng is not None:
+        resume.apply_rng(restore.rng)
     return fetcher
-
-
-def _fetch(fetcher, index, dataset_kind, worker_id):
-    try:
-        return ("data", fetcher.fetch(index))
-    except StopIteration:
-        if dataset_kind == _DatasetKind.Iterable:
-            return ("end", None)
-        return ("error", ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"))
-    except Exception:
-        return ("error", ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"))

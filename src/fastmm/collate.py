@@ -12,6 +12,7 @@ copy.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 import pickle
@@ -21,21 +22,15 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import (
-    collate,
-    collate_tensor_fn,
-    default_collate,
-    default_collate_fn_map,
-)
+from torch.utils.data import default_collate
 
-from . import _streaming
+from . import _streaming, _torch
+from ._messages import Inline, InSlab, Packed, TensorSpec
 from ._layout import copy_into, interleaved_bytes
 from .slabs import ALIGN
 from .telemetry.recorder import TimedCollate
 
 INLINE_MAX_BYTES = 16 * 1024  # smaller storages travel inside the message; a slab is not worth it
-
-_writer = None  # this worker's SlabWriter while a batch is being collated and packed
 
 
 def _plain_cpu_tensor(t) -> bool:
@@ -51,10 +46,11 @@ def _plain_cpu_tensor(t) -> bool:
     )
 
 
-def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
+def _collate_tensor_into_slab(writer, batch, *, collate_fn_map=None):
+    """torch's collation of a tensor batch, into a slab of ``writer``'s."""
     elem = batch[0]
-    if _writer is None or not _plain_cpu_tensor(elem):
-        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    if not _plain_cpu_tensor(elem):
+        return _torch.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     batch_in_progress = _streaming.current()
     streamed = batch_in_progress.claim(batch) if batch_in_progress is not None else None
     if streamed is not None:
@@ -65,12 +61,12 @@ def _collate_tensor_into_slab(batch, *, collate_fn_map=None):
     if nbytes <= INLINE_MAX_BYTES:
         out = torch.empty(shape, dtype=elem.dtype)
         return torch.stack(batch, 0, out=out)  # out= keeps torch's dtype rule for mixed batches
-    slab_id, offset, view = _writer.alloc(nbytes)
+    slab_id, offset, view = writer.alloc(nbytes)
     out = torch.frombuffer(view, dtype=elem.dtype, count=numel).view(shape)
     if interleaved_bytes(elem) and all(_plain_cpu_tensor(t) and t.dtype == elem.dtype
                                        and t.shape == elem.shape for t in batch):
         for slot, t in zip(out, batch):  # decoded pixels, channels-last views: planes copies
-            copy_into(slot, t, _writer.planes)
+            copy_into(slot, t, writer.planes)
         return out
     # one call for the whole batch: per-sample work in Python cost 7-10 us a sample, 40x
     # torch.stack's, and made batches of many small samples slower than torch's loader
@@ -87,8 +83,8 @@ class _StreamedBatch:
     then finds the tensors in place (``claim``); whatever did not stream (another shape or
     dtype, a sample made elsewhere) is copied then, as before."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, writer):
+        self.size, self.writer = size, writer
         self._outs: dict[tuple, torch.Tensor | None] = {}  # per leaf: (size, *shape) in a slab
         # id(slot view) -> (out, place, the view: kept alive, so no id is reused in a batch)
         self._slots: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
@@ -136,7 +132,7 @@ class _StreamedBatch:
             out = None
             numel = self.size * t.numel()
             if _plain_cpu_tensor(t) and numel * t.element_size() > INLINE_MAX_BYTES:
-                _, _, view = _writer.alloc(numel * t.element_size())
+                _, _, view = self.writer.alloc(numel * t.element_size())
                 out = torch.frombuffer(view, dtype=t.dtype, count=numel)
                 out = out.view(self.size, *t.shape)
             self._outs[path] = out
@@ -146,9 +142,10 @@ class _StreamedBatch:
             return t
         slot = out[position]
         if t.is_contiguous():  # past the cache (fastmm._C): another process reads it
-            _writer.gather(_raw_bytes(slot), 0, [_raw_bytes(t)], t.numel() * t.element_size())
+            self.writer.gather(_raw_bytes(slot), 0, [_raw_bytes(t)],
+                               t.numel() * t.element_size())
         else:
-            copy_into(slot, t, _writer.planes)
+            copy_into(slot, t, self.writer.planes)
         self._taken.add((id(out), position))
         self._slots[id(slot)] = (out, position, slot)
         return slot
@@ -175,7 +172,7 @@ class _StreamedBatch:
                 last = entry[1]
         for position, (t, entry) in enumerate(zip(batch, slots)):
             if entry is None:
-                copy_into(out[position], t, _writer.planes)
+                copy_into(out[position], t, self.writer.planes)
             elif entry[1] != position:
                 out[position].copy_(out[entry[1]])
         return out[: len(batch)]
@@ -186,10 +183,11 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def streaming(size: int | None):
-    """``with streaming(size):`` around fetching and collating one batch of ``size`` samples
-    in a worker (None: not default-collated, or not batched): producers inside may stream."""
-    return _streaming.fetching(_StreamedBatch(size) if size and _writer is not None else None)
+def streaming(size: int | None, writer):
+    """``with streaming(size, writer):`` around fetching and collating one batch of ``size``
+    samples in a worker into ``writer``'s slabs (None: not default-collated, or not batched):
+    producers inside may stream."""
+    return _streaming.fetching(_StreamedBatch(size, writer) if size else None)
 
 
 def is_default(collate_fn) -> bool:
@@ -199,16 +197,18 @@ def is_default(collate_fn) -> bool:
     return collate_fn is default_collate
 
 
-def worker_collate_fn(collate_fn):
-    """The collate function a worker runs in place of the loader's ``collate_fn``."""
+def worker_collate_fn(collate_fn, writer):
+    """The collate function a worker runs in place of the loader's ``collate_fn``: torch's
+    default collation builds its tensors in ``writer``'s slabs."""
     if isinstance(collate_fn, TimedCollate):  # telemetry's timing stays around our collation
-        return collate_fn.rewrap(worker_collate_fn(collate_fn.fn))
+        return collate_fn.rewrap(worker_collate_fn(collate_fn.fn, writer))
     if collate_fn is not default_collate:
         return collate_fn
-    fn_map = {**default_collate_fn_map, torch.Tensor: _collate_tensor_into_slab}
+    fn_map = {**_torch.default_collate_fn_map,
+              torch.Tensor: functools.partial(_collate_tensor_into_slab, writer)}
 
     def collate_into_slabs(batch):
-        return collate(batch, collate_fn_map=fn_map)
+        return _torch.collate(batch, collate_fn_map=fn_map)
 
     return collate_into_slabs
 
@@ -238,8 +238,8 @@ class _SlabPickler(pickle.Pickler):
         super().__init__(file, protocol)
         self._protocol = protocol
         self._storage_index: dict[tuple[int, int], int] = {}
-        self.storages: list[list] = []  # [storage, lo, hi] per storage
-        self.tensors: list[tuple] = []  # (storage index, dtype, shape, stride, byte offset)
+        self.storages: list[list] = []  # [storage, lo, hi] per storage (lo, hi: widened)
+        self.tensors: list[TensorSpec] = []
 
     def reducer_override(self, obj):
         if type(obj) is np.ndarray:
@@ -273,10 +273,10 @@ class _SlabPickler(pickle.Pickler):
         else:
             entry = self.storages[slot]
             entry[1], entry[2] = min(entry[1], lo), max(entry[2], hi)
-        self.tensors.append((slot, obj.dtype, tuple(obj.shape), obj.stride(), lo))
+        self.tensors.append(TensorSpec(slot, obj.dtype, tuple(obj.shape), obj.stride(), lo))
         return (len(self.tensors) - 1,)
 
-    def place(self, writer) -> tuple[list, list]:
+    def place(self, writer) -> list[Inline | InSlab]:
         """Copy each storage's reachable bytes into the slab (or inline them): the tables
         the main process needs to rebuild the tensors."""
         places = []
@@ -285,15 +285,15 @@ class _SlabPickler(pickle.Pickler):
             nbytes = hi - start
             raw = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,), (1,))
             if nbytes <= INLINE_MAX_BYTES:
-                places.append(("inline", start, raw.numpy().tobytes()))
+                places.append(Inline(start, raw.numpy().tobytes()))
                 continue
             located = writer.locate(storage.data_ptr() + start, nbytes)
             if located is None:
                 slab_id, offset, view = writer.alloc(nbytes)
                 writer.gather(view, 0, [raw.numpy()], nbytes)
                 located = (slab_id, offset)
-            places.append(("slab", start, *located, nbytes))
-        return places, self.tensors
+            places.append(InSlab(start, *located, nbytes))
+        return places
 
 
 
@@ -346,14 +346,12 @@ class _SlabUnpickler(pickle.Unpickler):
     def _storage(self, slot: int):
         storage = self._storages.get(slot)
         if storage is None:
-            kind, *rest = self._places[slot]
-            if kind == "inline":
-                base = torch.frombuffer(bytearray(rest[1]), dtype=torch.uint8)
+            place = self._places[slot]
+            if isinstance(place, Inline):
+                base = torch.frombuffer(bytearray(place.data), dtype=torch.uint8)
             else:
-                slab_id, offset, nbytes = rest[1:]
-                base = torch.frombuffer(
-                    self._views[slab_id], dtype=torch.uint8, count=nbytes, offset=offset
-                )
+                base = torch.frombuffer(self._views[place.slab_id], dtype=torch.uint8,
+                                        count=place.nbytes, offset=place.offset)
             storage = self._storages[slot] = base.untyped_storage()
         return storage
 
@@ -365,22 +363,21 @@ class _SlabUnpickler(pickle.Unpickler):
 
     def _tensor(self, index: int) -> torch.Tensor:
         slot, dtype, shape, stride, lo = self._tensor_specs[index]
-        start = self._places[slot][1]
+        start = self._places[slot].start
         return torch.empty(0, dtype=dtype).set_(
             self._storage(slot), (lo - start) // dtype.itemsize, shape, stride
         )
 
 
-def pack(data, writer) -> tuple:
+def pack(data, writer) -> Packed:
     """Pickle ``data`` with its tensors' memory placed in ``writer``'s slabs."""
     buf = io.BytesIO()
     pickler = _SlabPickler(buf, pickle.DEFAULT_PROTOCOL)  # as torch: arrays come back alike
     pickler.dump(data)
-    places, tensors = pickler.place(writer)
-    return places, tensors, buf.getvalue()
+    return Packed(pickler.place(writer), pickler.tensors, buf.getvalue())
 
 
-def unpack(packed: tuple, views: dict[int, memoryview]):
+def unpack(packed: Packed, views: dict[int, memoryview]):
     """Rebuild a batch whose tensors view the given slabs."""
     places, tensors, payload = packed
     check_layout(places, tensors, views)
@@ -406,18 +403,17 @@ def check_layout(places, tensors, views: dict[int, memoryview]) -> None:
 
     sizes = []
     for place in places:
-        if place[:1] == ("inline",) and len(place) == 3 and count(place[1]) \
-                and isinstance(place[2], bytes):
-            sizes.append((place[1], len(place[2])))
-        elif place[:1] == ("slab",) and len(place) == 5 and all(map(count, place[1:])):
-            _, start, slab_id, offset, nbytes = place
-            if slab_id not in views or offset + nbytes > len(views[slab_id]):
-                raise bad(f"{place[1:]} is not inside a slab it was sent")
-            sizes.append((start, nbytes))
+        if type(place) is Inline and count(place.start) and isinstance(place.data, bytes):
+            sizes.append((place.start, len(place.data)))
+        elif type(place) is InSlab and all(map(count, place)):
+            if place.slab_id not in views or \
+                    place.offset + place.nbytes > len(views[place.slab_id]):
+                raise bad(f"{place} is not inside a slab it was sent")
+            sizes.append((place.start, place.nbytes))
         else:
             raise bad(f"place {place!r:.80}")
     for spec in tensors:
-        if len(spec) != 5:
+        if type(spec) is not TensorSpec:
             raise bad(f"tensor {spec!r:.80}")
         slot, dtype, shape, stride, lo = spec
         if not (count(slot) and slot < len(sizes) and isinstance(dtype, torch.dtype)
@@ -433,9 +429,3 @@ def check_layout(places, tensors, views: dict[int, memoryview]) -> None:
             reach = sum((n - 1) * s for n, s in zip(shape, stride)) + 1
             if lo - start + reach * itemsize > nbytes:
                 raise bad(f"tensor {tuple(shape)} strides {tuple(stride)} past its {nbytes} bytes")
-
-
-def set_writer(writer) -> None:
-    """Make ``writer`` the slab owner for collation and packing in this process."""
-    global _writer
-    _writer = writer

@@ -34,7 +34,7 @@ import torch.utils.data
 from . import config
 from ._shared import SharedArray, row_of, this_worker
 from ._streaming import sample_by_sample
-from .decode import ClipSpec, DecodeError, DecodeLimits, get_decoder
+from .decode import ClipSpec, DecodeError, DecodeLimits, ImageDecoder, VideoDecoder, get_decoder
 from .decode.base import CropPlan
 from .errors import FastmmWarning
 from .sources import Problem, Source, SourceError, open_source, source_kind
@@ -264,7 +264,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
     ``root``: where the samples are (a directory, manifest or shard directory), or give an open
     ``source``. ``source`` (a name: "posix", "staged", "shards"; default FASTMM_SOURCE, then
     "posix"), ``decoder`` (a name: "pil", "torchvision", "torchcodec", "dali", default
-    FASTMM_DECODE then "pil"; or a decoder object) and ``device`` (default FASTMM_DEVICE, then
+    FASTMM_DECODE then "pil"; or an ImageDecoder object) and ``device`` (default FASTMM_DEVICE, then
     "cpu") switch backends without touching training code. ``modality`` keeps only image or only
     video samples (decided from member extensions, nothing read); intact samples with neither
     are left out. ``size`` (int or (h, w)) plus ``crop`` ("random": RandomResizedCrop + flip as
@@ -315,7 +315,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
                 source_options.setdefault("defer_failures", True)
             self.source = open_source(source, root, on_error="raise", **source_options)
         self.decoder = (
-            decoder if hasattr(decoder, "decode_image")
+            decoder if isinstance(decoder, ImageDecoder)
             else get_decoder(decoder, device=device, limits=limits)
         )
         if isinstance(crop, ResizedCrop):
@@ -512,7 +512,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
     def _video(self, data: bytes, key: str) -> torch.Tensor:
         if self.clip is None:
             raise DecodeError("unsupported", key, "a video sample needs clip=ClipSpec(...)")
-        if not hasattr(self.decoder, "decode_clip"):
+        if not isinstance(self.decoder, VideoDecoder):
             raise DecodeError("unsupported", key,
                               f"the {self.decoder.name} decoder has no video; use torchcodec")
         if self.crop is None:

@@ -112,7 +112,7 @@ def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | Non
         lines.append(f"shared memory ({config.shm_dir}): NOT USABLE: {e}")
         problem = True
     lines.append(f"worker start method: {multiprocessing.get_start_method(allow_none=True) or 'fork'}")
-    from .slabs import uses_cpp
+    from ._native import uses_cpp
 
     lines.append("slab transport: " + ("C++ (fastmm._C)" if uses_cpp(config) else
                                        "pure Python (fastmm._C not importable or disabled)"))

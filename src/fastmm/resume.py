@@ -29,6 +29,7 @@ import random
 import struct
 import sys
 import zlib
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import IterableDataset
@@ -47,11 +48,20 @@ except ImportError:  # numpy is optional for torch, so for its workers' RNG stat
 # -- RNG states ------------------------------------------------------------------------------
 
 
-def capture_rng(previous: tuple | None = None) -> tuple:
-    """This process's torch, random and NumPy RNG states as plain, comparable values.
-    ``previous`` (an earlier capture) lets NumPy's be read cheaply when it has not moved."""
-    return (_state_of(torch.default_generator), _random_state(),
-            _numpy_state(None if previous is None else previous[2]))
+class RngStates(NamedTuple):
+    """A process's torch, random and NumPy RNG states as plain, comparable values (a worker
+    sends them with each batch that moved them; a state_dict keeps them)."""
+
+    torch: object
+    random: object
+    numpy: object
+
+
+def capture_rng(previous: RngStates | None = None) -> RngStates:
+    """This process's RNG states. ``previous`` (an earlier capture) lets NumPy's be read
+    cheaply when it has not moved."""
+    return RngStates(_state_of(torch.default_generator), _random_state(),
+                     _numpy_state(None if previous is None else previous[2]))
 
 
 # _random's RandomObject: PyObject_HEAD; int index; uint32_t state[624]
@@ -297,6 +307,22 @@ class Progress:
         """An iterator of this epoch exists (its base seed and maybe its order are drawn)."""
         return not self.done
 
+    @classmethod
+    def starting(cls, num_workers: int, base_seed: int, restore: "Progress | None") -> "Progress":
+        """A new iterator's progress: from scratch, or where ``restore`` (a loaded state) was."""
+        progress = cls(num_workers, base_seed=base_seed)
+        if restore is not None:
+            if restore.base_seed is not None:
+                progress.worker_rng = list(restore.worker_rng)
+            if restore.mid_epoch:  # the sampler tap skips what was handed out
+                progress.batches, progress.ahead = restore.batches, set(restore.ahead)
+                progress.worker_batches = list(restore.worker_batches)
+                progress.worker_streams = list(restore.worker_streams)
+                progress.last_worker = restore.last_worker
+            elif restore.base_seed is not None:  # the same persistent workers, a new epoch
+                progress.worker_streams = carried_streams(restore.worker_streams)
+        return progress
+
     def next_epoch(self) -> None:
         """A persistent iterator's next epoch: the workers and their RNGs carry on."""
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
@@ -394,6 +420,16 @@ def _stateful(obj) -> bool:
         getattr(obj, "load_state_dict", None))
 
 
+class StreamState(NamedTuple):
+    """Where an IterableDataset's iterator is (``stream_state``). ``kind``: "iterator" (state:
+    its state_dict()), "dataset" (the dataset's), "ended" (it ran out; state: the dataset's,
+    carried into the next epoch, or None where the iterator kept it), "carried" (an ended one
+    a persistent worker goes on from in the next epoch)."""
+
+    kind: str
+    state: object
+
+
 @dataclasses.dataclass(frozen=True)
 class Unavailable:
     """A state_dict() that failed (raised, or gave what cannot be pickled) where torch's loader
@@ -418,11 +454,11 @@ def usable(state):
 
 
 def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
-                 ) -> tuple | None:
-    """Where an IterableDataset's iterator is, from the state it keeps itself: ("iterator",
-    its state_dict()) if the iterator has one, else ("dataset", the dataset's), else None (then
-    a resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
-    a batch, or ``ran_out``): ("ended", the dataset's state, which a persistent worker's copy
+                 ) -> StreamState | None:
+    """Where an IterableDataset's iterator is, from the state it keeps itself: "iterator" (its
+    state_dict()) if the iterator has one, else "dataset" (the dataset's), else None (then a
+    resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
+    a batch, or ``ran_out``): "ended" (the dataset's state, which a persistent worker's copy
     carries into the next epoch, or None where the iterator kept the state). A copy, or with
     ``sent`` (a worker pickles it into its message at once) the state itself. A state_dict()
     that raises, or whose state cannot be pickled to travel between processes, gives an
@@ -436,10 +472,11 @@ def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
         return None
     try:
         if ran_out or fetcher.ended:
-            return "ended", None if _stateful(iterator) else copied(dataset.state_dict())
+            return StreamState("ended",
+                               None if _stateful(iterator) else copied(dataset.state_dict()))
         if _stateful(iterator):
-            return "iterator", copied(iterator.state_dict())
-        return "dataset", copied(dataset.state_dict())
+            return StreamState("iterator", copied(iterator.state_dict()))
+        return StreamState("dataset", copied(dataset.state_dict()))
     except Exception as e:
         return Unavailable.of("the IterableDataset", e)
 
@@ -451,7 +488,7 @@ def carried_streams(streams: list) -> list:
         if isinstance(s, Unavailable):  # the loader's state_dict() still says so
             return s
         ran_out = s is not None and s[0] in ("ended", "carried") and s[1] is not None
-        return ("carried", s[1]) if ran_out else None
+        return StreamState("carried", s[1]) if ran_out else None
 
     return [carried(s) for s in streams]
 

@@ -1,4 +1,4 @@
-"""The shared-memory slab pool: the only module that touches fastmm._C (or its twin).
+"""The shared-memory slab pool, over the kernels of fastmm._C or its twin (_native.py).
 
 Workers write batches into slabs of one pool that all of them share; the main process maps each
 slab once and wraps regions of it as tensors without copying. A slab is lent to one batch at a
@@ -45,7 +45,6 @@ import os
 import resource
 import shutil
 import socket
-import struct
 import time
 import weakref
 from dataclasses import dataclass
@@ -53,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._messages import SLAB_NEWS_BYTES, NewSlab, SlabNews
+from ._native import native_backend
 from .config import TransportConfig
 
 ALIGN = 64  # every region starts on a cache line, so any dtype view is aligned
@@ -69,30 +70,6 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and writes
 
 class SharedMemoryError(RuntimeError):
     """The slabs need more shared memory than the system will reserve."""
-
-
-def _load_native(pure_python: bool):
-    if not pure_python:
-        try:
-            from . import _C
-
-            return _C
-        except ImportError:
-            pass
-    from . import _twin
-
-    return _twin
-
-
-def native_backend(config: TransportConfig | None = None):
-    """The module that implements slab creation and gather: fastmm._C, or the twin."""
-    config = config or TransportConfig.from_env()
-    return _load_native(config.pure_python)
-
-
-def uses_cpp(config: TransportConfig | None = None) -> bool:
-    """True when the C++ extension is in use (not forced off and importable)."""
-    return native_backend(config).__name__ == "fastmm._C"
 
 
 def _round_up(n: int, to: int) -> int:
@@ -141,10 +118,6 @@ _HEADER = 64  # the table's first cache line: the largest batch so far (bytes)
 _ENTRY = np.dtype([("state", "u1"), ("punched", "u1"), ("owner", "<i4"), ("generation", "<u4")],
                   align=True)
 _TABLE_BYTES = _HEADER + _SLOTS * _ENTRY.itemsize
-# The main process's news to a worker, on its fd socket: (slot, generation, capacity). With a
-# descriptor: a slab it may claim (slot -1: the table itself, generation: the worker's channel).
-# Without: the slab of that generation is gone.
-_NEWS = struct.Struct("<iIQ")
 
 
 class SlabTable:
@@ -295,7 +268,7 @@ class SlabWriter:
     def __init__(self, fd_sock: socket.socket, config: TransportConfig):
         self._fd_sock = fd_sock
         self._config = config
-        self._native = _load_native(config.pure_python)
+        self._native = native_backend(config)
         self._table: SlabTable | None = None  # the first news from the main process
         self._channel = -1  # this worker's number in the table
         self._slabs: dict[int, _MappedSlab] = {}  # by slot: every slab this worker maps
@@ -317,25 +290,26 @@ class SlabWriter:
         while True:
             flags = 0 if wait and self._table is None else socket.MSG_DONTWAIT
             try:
-                data, fds, _ = _recv_fds(self._fd_sock, _NEWS.size, 1, flags)
+                data, fds, _ = _recv_fds(self._fd_sock, SLAB_NEWS_BYTES, 1, flags)
             except BlockingIOError:
                 return
             if not data:  # the main process closed its end: nothing more will come
                 if self._table is None:
                     raise EOFError("the main process closed the slab channel")
                 return
-            slot, generation, capacity = _NEWS.unpack(data)
-            if slot < 0:
+            news = SlabNews.unpack(data)
+            if news.kind == SlabNews.TABLE:
                 if self._table is not None:
                     self._table.close()
-                self._table, self._channel = SlabTable(fds[0]), generation
+                self._table, self._channel = SlabTable(fds[0]), news.channel
                 continue
-            old = self._slabs.get(slot)
-            if old is not None and (fds or old.generation == generation):
-                _close_slab(self._slabs.pop(slot))  # gone, or its slot holds another now
-            if fds:
-                self._slabs[slot] = _map_slab(fds[0], capacity, generation, False,
-                                              "mapping a shared-memory slab in a worker")
+            old = self._slabs.get(news.slot)
+            if old is not None and (news.kind == SlabNews.FREE
+                                    or old.generation == news.generation):
+                _close_slab(self._slabs.pop(news.slot))  # gone, or its slot holds another now
+            if news.kind == SlabNews.FREE:
+                self._slabs[news.slot] = _map_slab(fds[0], news.capacity, news.generation, False,
+                                                   "mapping a shared-memory slab in a worker")
 
     def begin(self) -> None:
         self._batch = []
@@ -375,9 +349,9 @@ class SlabWriter:
                 return slot, address - slab.address
         return None
 
-    def finish(self) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """End the batch: send new slabs' fds; return (slots used, [(new slot, generation,
-        capacity)])."""
+    def finish(self) -> tuple[list[int], list[NewSlab]]:
+        """End the batch: send new slabs' fds; return the slots it used and the slabs it
+        created."""
         used = [slot for slot, _ in self._batch]
         nbytes = sum(n for _, n in self._batch)
         if self._table is not None:
@@ -393,7 +367,7 @@ class SlabWriter:
         if created:
             socket.send_fds(self._fd_sock, [bytes([len(created)])],
                             [self._slabs[slot].fd for slot in created])
-        return used, [(slot, self._slabs[slot].generation, self._slabs[slot].capacity)
+        return used, [NewSlab(slot, self._slabs[slot].generation, self._slabs[slot].capacity)
                       for slot in created]
 
     def _take(self, nbytes: int) -> int:
@@ -497,14 +471,15 @@ class SlabPool:
         """A worker joins the pool (``channel``: its number here; a replacement gets a new
         one): it is sent the table and the free slabs."""
         self._socks[channel] = fd_sock
-        socket.send_fds(fd_sock, [_NEWS.pack(-1, channel, 0)], [self._table.fd])
+        socket.send_fds(fd_sock, [SlabNews(SlabNews.TABLE, channel=channel).pack()],
+                        [self._table.fd])
         for slot, held in self._held.items():
             if not held:
                 self._tell(slot)
 
-    def receive(self, channel: int, new: list[tuple[int, int, int]], worker_id: int) -> None:
-        """Map the slabs a worker just created (their fds wait on its socket): ``new`` is
-        [(slot, generation, capacity)]; ``worker_id`` for errors."""
+    def receive(self, channel: int, new: list[NewSlab], worker_id: int) -> None:
+        """Map the slabs a worker just created (``new``; their fds wait on its socket);
+        ``worker_id`` for errors."""
         doing = f"mapping the slabs of DataLoader worker {worker_id}"
         _, fds, flags = _recv_fds(self._socks[channel], 1, len(new))
         adopted = 0
@@ -635,7 +610,7 @@ class SlabPool:
     def _tell(self, slot: int) -> None:
         """Send a free slab to every worker that does not map it yet."""
         slab, knowing = self._slabs[slot], self._known_by[slot]
-        news = _NEWS.pack(slot, slab.generation, slab.capacity)
+        news = SlabNews(SlabNews.FREE, slot, slab.generation, slab.capacity).pack()
         for channel in self._socks:
             if channel not in knowing and self._send(channel, news, [slab.fd]):
                 knowing.add(channel)
@@ -664,7 +639,7 @@ class SlabPool:
             return
         for channel in self._known_by.pop(slot, ()):
             if channel in self._socks:
-                self._send(channel, _NEWS.pack(slot, slab.generation, 0))
+                self._send(channel, SlabNews(SlabNews.GONE, slot, slab.generation).pack())
         if self._unpin is not None:
             self._unpin(slab.address)
         _close_slab(slab)

@@ -47,7 +47,7 @@ import torch.utils.data
 import fastmm
 
 from ..dataset import MultimodalDataset
-from ..slabs import uses_cpp
+from .._native import uses_cpp
 from ..telemetry import Telemetry
 from . import ab_page, env, harness, options, stats
 from .report import BUSY_CORES

@@ -37,7 +37,7 @@ import numpy as np
 import psutil
 import torch
 from torch.utils.data import default_collate
-from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+from .._torch import pin_memory as torch_pin_memory
 
 from ..telemetry.sampler import baseline as host_baseline
 from ..telemetry.sampler import host_held, smaps_rollup

@@ -13,6 +13,8 @@ from .base import (
     DecodeLimitError,
     DecodeLimits,
     DecoderFault,
+    ImageDecoder,
+    VideoDecoder,
     get_decoder,
 )
 
@@ -23,5 +25,7 @@ __all__ = [
     "DecodeLimitError",
     "DecodeLimits",
     "DecoderFault",
+    "ImageDecoder",
+    "VideoDecoder",
     "get_decoder",
 ]

@@ -23,11 +23,11 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from .. import _layout
+from .. import _layout, _torch
 from ..config import DECODE_BACKENDS, DecodeConfig
 from ..errors import SampleError
 
@@ -58,7 +58,7 @@ def check_gpu_usable(device: str) -> None:
     as corrupt. Say so, with the way out."""
     if not device.startswith("cuda"):
         return
-    if torch.cuda._is_in_bad_fork():
+    if _torch.is_in_bad_fork():
         raise DecoderFault(
             f"cannot decode on {device} in a process forked after its parent initialised CUDA; "
             "use DataLoader(multiprocessing_context='spawn') (or 'forkserver'), or decode on "
@@ -377,6 +377,35 @@ def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None, 
     return _layout.contiguous(img) if contiguous else img
 
 
+@runtime_checkable
+class ImageDecoder(Protocol):
+    """What MultimodalDataset asks of a decoder (every backend's ``Decoder``, or a user's own):
+    a name for messages, and images decoded to uint8 3xHxW RGB, whole or cropped and resized
+    as a plan made from the image's size says."""
+
+    name: str
+
+    def decode_image(self, data: bytes, *, key: str = "",
+                     reduce_to: tuple[int, int] | None = None) -> torch.Tensor: ...
+
+    def decode_resized_crop(self, data: bytes, plan: Callable[[int, int], CropPlan], *,
+                            key: str = "", reduce: bool = False) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class VideoDecoder(ImageDecoder, Protocol):
+    """An ImageDecoder that also decodes clips (uint8 TxCxHxW RGB, and the frame indices)."""
+
+    def decode_clip(self, data: bytes, spec: ClipSpec, *, key: str = "",
+                    generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, list[int]]: ...
+
+    def decode_resized_clip(self, data: bytes, spec: ClipSpec,
+                            plan: Callable[[int, int], CropPlan], *, key: str = "",
+                            generator: torch.Generator | None = None
+                            ) -> tuple[torch.Tensor, list[int]]: ...
+
+
 # name -> module path; each module defines ``Decoder``. What to pip install for each is in
 # _PACKAGES here, since a missing package means its module cannot be imported to ask it.
 DECODERS: dict[str, str] = {
@@ -391,7 +420,7 @@ assert tuple(DECODERS) == DECODE_BACKENDS
 
 
 def get_decoder(name: str | None = None, *, device: str | None = None,
-                limits: DecodeLimits | None = None):
+                limits: DecodeLimits | None = None) -> ImageDecoder:
     """A decoder by name: argument, then FASTMM_DECODE, then "pil"; device likewise with
     FASTMM_DEVICE, then "cpu". A backend whose library is missing raises ImportError naming
     the pip package to install."""

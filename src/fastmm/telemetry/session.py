@@ -511,7 +511,7 @@ def _concat(blocks):
 def _replacements(it) -> int:
     """Workers the loader's iterator has replaced so far (fastmm's respawn and decode deadline:
     torch's loader replaces none)."""
-    return getattr(it, "_replacements", 0)
+    return getattr(it, "fastmm_worker_replacements", 0)
 
 
 def _batch_len(batch, batched: bool, loader) -> int:

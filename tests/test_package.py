@@ -1,0 +1,46 @@
+"""The package face loads what is used, and the parts keep their dependency lines: the loader
+side without the dataset, sources or decoders; decoding without the transport."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import fastmm
+
+
+def _loaded_after(statement: str) -> set[str]:
+    code = (f"import sys; {statement}; "
+            "print(' '.join(m for m in sys.modules if m.startswith('fastmm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_import_fastmm_loads_nothing_until_a_name_is_used():
+    assert _loaded_after("import fastmm") == {"fastmm"}
+
+
+def test_the_loader_side_loads_without_dataset_sources_or_decoders():
+    loaded = _loaded_after("import fastmm.loader")
+    assert "fastmm.loader" in loaded
+    assert not {m for m in loaded if m.split(".")[1:2] in (["dataset"], ["sources"], ["decode"],
+                                                           ["stream"], ["bench"])}, sorted(loaded)
+
+
+def test_decoding_loads_nothing_of_the_transport():
+    loaded = _loaded_after("import fastmm.decode.base")
+    assert not loaded & {"fastmm.slabs", "fastmm.collate", "fastmm.loader", "fastmm._workers",
+                         "fastmm._pool", "fastmm.sources"}, sorted(loaded)
+
+
+def test_public_names_and_submodules_resolve_on_first_use():
+    from fastmm.dataset import MultimodalDataset
+    from fastmm.loader import DataLoader
+
+    assert fastmm.DataLoader is DataLoader and fastmm.MultimodalDataset is MultimodalDataset
+    assert fastmm.telemetry.Telemetry is not None  # a submodule, without importing it first
+    assert set(fastmm.__all__) <= set(dir(fastmm))
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing'"):
+        fastmm.NoSuchThing
