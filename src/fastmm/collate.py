@@ -329,6 +329,16 @@ def _empty_tensor(dtype, shape, stride):
 
 
 class _SlabUnpickler(pickle.Unpickler):
+    """Unpickles a packed batch, making each tensor (array) it refers to a view of the bytes
+    its place holds; tensors on one storage slot share one storage, as they did in the worker.
+
+    Args:
+        file: the batch's pickle payload (``Packed.payload``), as a binary file.
+        places: where each storage slot's bytes are (Inline or InSlab), by slot.
+        tensors: each tensor's TensorSpec (slot, dtype, shape, stride, first byte), by index.
+        views: the slabs the batch was sent, by slab id.
+    """
+
     def __init__(self, file, places, tensors, views: dict[int, memoryview]):
         super().__init__(file)
         self._places = places

@@ -261,18 +261,36 @@ class SampleWatch(SharedArray):
 class MultimodalDataset(torch.utils.data.Dataset):
     """Map-style dataset over a source of image and video samples.
 
-    ``root``: where the samples are (a directory, manifest or shard directory), or give an open
-    ``source``. ``source`` (a name: "posix", "staged", "shards"; default FASTMM_SOURCE, then
-    "posix"), ``decoder`` (a name: "pil", "torchvision", "torchcodec", "dali", default
-    FASTMM_DECODE then "pil"; or an ImageDecoder object) and ``device`` (default FASTMM_DEVICE, then
-    "cpu") switch backends without touching training code. ``modality`` keeps only image or only
-    video samples (decided from member extensions, nothing read); intact samples with neither
-    are left out. ``size`` (int or (h, w)) plus ``crop`` ("random": RandomResizedCrop + flip as
-    torchvision draws them; "center") give every item the same shape so batches collate; or give
-    a ``ResizedCrop``. ``reduce=True`` is the fast path (pil and torchvision backends): JPEGs
-    decode at a DCT-reduced scale when the crop is at least twice the output size, the rest are
-    resized by torch's vectorised uint8 kernel. Videos need ``clip`` (a ClipSpec); frames are
-    resized with the same plan for the whole clip. ``transform`` runs last on the item dict.
+    ``source``, ``decoder`` and ``device`` switch backends without touching training code.
+
+    Args:
+        root: where the samples are (a directory, manifest or shard directory); or give an open
+            ``source`` instead.
+        source: a name ("posix", "staged", "shards"; default FASTMM_SOURCE, then "posix"), or
+            an open Source.
+        decoder: a name ("pil", "torchvision", "torchcodec", "dali"; default FASTMM_DECODE, then
+            "pil"), or an ImageDecoder object.
+        device: where a decoder given by name decodes (default FASTMM_DEVICE, then "cpu").
+        modality: "image" or "video" keeps only those samples (decided from member extensions,
+            nothing read); intact samples with neither are left out. None: both.
+        size: the output size (int or (h, w)); with ``crop`` it gives every item the same shape,
+            so batches collate. None: no resize.
+        crop: "random" (RandomResizedCrop + flip as torchvision draws them) or "center", used
+            with ``size``; or a ``ResizedCrop``.
+        reduce: True is the fast path (pil and torchvision backends): JPEGs decode at a
+            DCT-reduced scale when the crop is at least twice the output size, the rest are
+            resized by torch's vectorised uint8 kernel.
+        clip: a ClipSpec, which videos need; a clip's frames are resized with the same plan.
+        transform: runs last on the item dict.
+        on_error: the bad-input policy, "raise", "skip" or "replace" (see the module).
+        max_replace: under "replace", how many samples after a bad one are tried in its place
+            before a RuntimeError.
+        limits: the caps (DecodeLimits) of a decoder given by name.
+        keep_problems: how many of this process's latest problems ``problems`` keeps.
+        decode_deadline: seconds one sample may take (read, decode, transform); past it,
+            fastmm.DataLoader replaces the worker and the sample counts as "deadline" (default
+            FASTMM_DECODE_DEADLINE, then none; 0: none).
+        **source_options: go to the source opened on ``root``.
     """
 
     fastmm_marks_sample_stage = True  # telemetry: its own "sample" spans, one per item (hooks)

@@ -20,6 +20,22 @@ from .config import DistConfig
 
 
 class DistributedSampler(torch.utils.data.DistributedSampler):
+    """torch's DistributedSampler that finds rank and world size the way torchrun sets them and
+    reshuffles each pass by itself (see the module).
+
+    Args:
+        dataset: the dataset whose indices are split (only its length is used).
+        num_replicas: the world size; None: torch.distributed's when initialised, else
+            WORLD_SIZE, else 1.
+        rank: this process's rank; None: torch.distributed's when initialised, else RANK,
+            else 0.
+        shuffle: shuffle the indices, from ``seed`` and the epoch (the same order on every
+            rank).
+        seed: the shuffle's seed; the same on every rank.
+        drop_last: drop the tail so that the ranks split the indices evenly, instead of
+            padding by repeating the first ones.
+    """
+
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False):
         where = DistConfig.resolve(rank=rank, world_size=num_replicas)

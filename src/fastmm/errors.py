@@ -19,12 +19,20 @@ class FastmmWarning(UserWarning):
 
 
 class SampleError(ValueError):
-    """A sample that could not be read or decoded: ``reason``, ``key``, ``origin`` (the file, or
-    ``shard.tar:offset``; set by the dataset for a decode error) and a one-line message.
+    """A sample that could not be read or decoded: ``reason``, ``key``, ``origin`` and a
+    one-line message.
 
     Built from one argument, it is the error torch's DataLoader re-raises in the main process
     for one a worker raised (``type(text)``, the worker's traceback as text): the fields are read
-    back from that text, so the error keeps its type and its fields."""
+    back from that text, so the error keeps its type and its fields.
+
+    Args:
+        reason: a short counter name ("corrupt", "too_large", ...); given alone, the worker's
+            traceback as text.
+        key: the sample's key; None: ``reason`` is a worker's text.
+        origin: the file, or ``shard.tar:offset``; set by the dataset for a decode error.
+        message: what went wrong, in one line (line breaks become spaces).
+    """
 
     def __init__(self, reason: str, key: str | None = None, origin: str = "",
                  message: str = ""):

@@ -68,20 +68,43 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         snapshot_every_n_steps: int | None = 1,
         on_worker_failure: str = "raise",
     ) -> None:
-        """torch's arguments, plus:
+        """torch's arguments (the same meanings and defaults), plus ``snapshot_every_n_steps``
+        and ``on_worker_failure``.
 
-        ``snapshot_every_n_steps``: torchdata's StatefulDataLoader argument (how often workers
-        send their state), accepted so its users change only the import. fastmm's workers send
-        what changed in their state with every batch, so ``state_dict()`` is exact at any step
-        whatever the value; it is checked (an int of 0 or more, or None) and kept, nothing more.
-
-        ``on_worker_failure``: "raise" (torch's behaviour: a worker killed by a signal or gone
-        is an error naming it) or "respawn" (a new worker takes its place and gets its
-        unfinished batches again, from its RNG states: nothing lost or repeated, the same
-        batches in the same order as without the failure).
-
-        ``num_workers`` and ``prefetch_factor`` must be whole numbers: torch takes 2.5 here and
-        fails at the first ``iter()``; fastmm says so now (the same TypeError)."""
+        Args:
+            dataset: the dataset to load from (map-style or iterable).
+            batch_size: samples per batch; None: samples one by one, uncollated.
+            shuffle: reshuffle the samples every epoch.
+            sampler: the order samples are drawn in (any iterable with a length); not with
+                ``shuffle``.
+            batch_sampler: like ``sampler``, a batch of indices at a time; not with
+                ``batch_size``, ``shuffle``, ``sampler`` or ``drop_last``.
+            num_workers: worker processes (0: load in the main process). A whole number: torch
+                takes 2.5 here and fails at the first ``iter()``; fastmm says so now (the same
+                TypeError).
+            collate_fn: merges a list of samples into a batch.
+            pin_memory: hand out batches in pinned (page-locked) memory.
+            drop_last: drop the last batch when it is short.
+            timeout: seconds to wait for a batch from the workers (0: without end).
+            worker_init_fn: called in each worker with its id, after seeding, before loading.
+            multiprocessing_context: how workers start ("fork", "spawn", "forkserver", or a
+                context); None: the platform's default.
+            generator: the RNG the base seed (and a RandomSampler's order) is drawn from.
+            prefetch_factor: batches each worker loads ahead (None: 2 with workers); a whole
+                number, as ``num_workers``.
+            persistent_workers: keep the workers alive from one epoch to the next.
+            pin_memory_device: the device ``pin_memory`` pins for ("": the default).
+            in_order: hand batches out in the sampler's order; False: as they are ready.
+            snapshot_every_n_steps: torchdata's StatefulDataLoader argument (how often workers
+                send their state), accepted so its users change only the import. fastmm's
+                workers send what changed in their state with every batch, so ``state_dict()``
+                is exact at any step whatever the value; it is checked (an int of 0 or more, or
+                None) and kept, nothing more.
+            on_worker_failure: "raise" (torch's behaviour: a worker killed by a signal or gone
+                is an error naming it) or "respawn" (a new worker takes its place and gets its
+                unfinished batches again, from its RNG states: nothing lost or repeated, the
+                same batches in the same order as without the failure).
+        """
         if on_worker_failure not in ("raise", "respawn"):
             raise ValueError(f"on_worker_failure={on_worker_failure!r}; use 'raise' or 'respawn'")
         num_workers = _whole_number("num_workers", num_workers)

@@ -332,9 +332,16 @@ class Progress:
 
     def handed_out(self, worker_id: int, rng: tuple | None, stream: tuple | None,
                    position: int | None = None, counts: list | None = None) -> None:
-        """A batch handed out; ``position``: its place in the sampler's order, where batches
-        may come back out of it (in_order=False); ``counts``: its worker's skip counts after
-        it."""
+        """A batch handed out.
+
+        Args:
+            worker_id: the worker that made it.
+            rng: its worker's RNG states after it; None where the batch did not change them.
+            stream: its worker's stream_state() after it (an IterableDataset's), or None.
+            position: its place in the sampler's order, where batches may come back out of it
+                (in_order=False); else None.
+            counts: its worker's skip counts after it (a MultimodalDataset's), or None.
+        """
         first_missing = self.first_missing
         self.batches += 1
         if position is not None and position != first_missing:
@@ -459,10 +466,17 @@ def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
     state_dict()) if the iterator has one, else "dataset" (the dataset's), else None (then a
     resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
     a batch, or ``ran_out``): "ended" (the dataset's state, which a persistent worker's copy
-    carries into the next epoch, or None where the iterator kept the state). A copy, or with
-    ``sent`` (a worker pickles it into its message at once) the state itself. A state_dict()
+    carries into the next epoch, or None where the iterator kept the state). A state_dict()
     that raises, or whose state cannot be pickled to travel between processes, gives an
-    Unavailable: the batch still comes (torch's loader never asks for the state)."""
+    Unavailable: the batch still comes (torch's loader never asks for the state).
+
+    Args:
+        dataset: the IterableDataset (this process's copy).
+        fetcher: its fetcher; ``dataset_iter`` is the iterator, ``ended`` says it ran out
+            within a batch.
+        ran_out: the iterator ran out.
+        sent: give the state itself, not a copy: a worker pickles it into its message at once.
+    """
     def copied(state):
         pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)  # it must travel; nothing is loaded
         return state if sent else copy.deepcopy(state)

@@ -180,9 +180,16 @@ class SlabTable:
 
     def claim(self, candidates: list[tuple[int, int]], owner: int, unpunched: bool = False,
               first: bool = True) -> list[tuple[int, bool]]:
-        """Take free slabs among ``candidates`` ((slot, generation), in the order preferred)
-        for ``owner``: the first one (or, ``first=False``, all; ``unpunched``: only those whose
-        pages are there). Returns [(slot, whether its pages went back)]."""
+        """Take free slabs among ``candidates`` for ``owner``. Returns [(slot, whether its
+        pages went back)].
+
+        Args:
+            candidates: (slot, generation) pairs, in the order preferred; a slot is taken only
+                while its generation is still that one.
+            owner: who takes them: a worker's channel, or -1 for the main process.
+            unpunched: take only those whose pages are there.
+            first: take the first one; False: all.
+        """
         taken = []
         with self._locked():
             for slot, generation in candidates:
@@ -251,6 +258,16 @@ class _MappedSlab:
 
 
 def _map_slab(fd: int, capacity: int, generation: int, populate: bool, doing: str) -> _MappedSlab:
+    """A slab's shared memory mapped into this process.
+
+    Args:
+        fd: the slab's file descriptor, which the mapping keeps.
+        capacity: the slab's bytes.
+        generation: its slot's generation as the slab was made.
+        populate: map every page now (MAP_POPULATE); else pages enter as they are read, and
+            the slab counts as ``trimmed``.
+        doing: what this process is doing, for the error if it runs out of file descriptors.
+    """
     with open_files_guard(doing):  # the mapping keeps a duplicate descriptor
         mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
     return _MappedSlab(mm, fd, capacity, generation, _address(mm), trimmed=not populate)
@@ -440,14 +457,20 @@ class SlabPool:
     puts each back in the pool, for any worker to claim, once no tensor views it."""
 
     def __init__(self, keep_free: int, pin=None, unpin=None, fence=None, lean: bool = False):
-        """``keep_free``: slabs the pool keeps beyond those the loop holds (more are closed).
-        ``pin(address, nbytes)`` / ``unpin(address)``, if given, page-lock each mapping once
-        for its lifetime (CUDA host registration), so batches need no pinned staging copy.
-        ``fence()``, if given, marks the point a released slab's copies were queued up to (a
-        CUDA event on the releasing thread's stream, with ``query()`` and ``synchronize()``):
-        the slab goes back to the pool only once the fence is passed, so a ``non_blocking``
-        copy still queued is never overwritten by the next batch.
-        ``lean``: unmap every slab the loop releases, whatever its pace (FASTMM_SLAB_MEMORY)."""
+        """An empty pool and its table; slabs join it as workers create them.
+
+        Args:
+            keep_free: slabs the pool keeps beyond those the loop holds (more are closed).
+            pin: ``pin(address, nbytes)``, if given, page-locks each mapping once for its
+                lifetime (CUDA host registration), so batches need no pinned staging copy.
+            unpin: ``unpin(address)``, which undoes ``pin`` when the slab is closed.
+            fence: ``fence()``, if given, marks the point a released slab's copies were queued
+                up to (a CUDA event on the releasing thread's stream, with ``query()`` and
+                ``synchronize()``): the slab goes back to the pool only once the fence is
+                passed, so a ``non_blocking`` copy still queued is never overwritten by the
+                next batch.
+            lean: unmap every slab the loop releases, whatever its pace (FASTMM_SLAB_MEMORY).
+        """
         self._keep = keep_free
         self._lean = lean
         self._pin, self._unpin, self._fence = pin, unpin, fence
@@ -712,7 +735,14 @@ def _advise(mm: mmap.mmap, advice: int) -> bool:
 
 def _recv_fds(sock: socket.socket, nbytes: int, maxfds: int, flags: int = 0):
     """socket.recv_fds, with ``flags`` honoured (Python 3.11's drops them): (data, fds,
-    the message's flags)."""
+    the message's flags).
+
+    Args:
+        sock: the Unix socket to read.
+        nbytes: the most bytes of data to take.
+        maxfds: the most file descriptors to take.
+        flags: recvmsg's flags (socket.MSG_DONTWAIT, say).
+    """
     data, ancillary, msg_flags, _ = sock.recvmsg(nbytes, socket.CMSG_LEN(maxfds * 4), flags)
     fds = array.array("i")
     for level, kind, payload in ancillary:

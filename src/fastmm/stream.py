@@ -17,22 +17,29 @@ class ShardStream(IterableDataset):
     """An IterableDataset over a ``MultimodalDataset`` whose source is tar shards ("shards", or
     "staged" shards): each (rank, worker) slot reads whole shards front to back.
 
-    Each epoch the shards are shuffled with ``seed + epoch`` (the same order on every rank) and
-    dealt out one by one, each to the slot holding the fewest samples so far. Then every slot
-    yields the same number of samples: ``equal="pad"`` (default) as many as the fullest slot
-    holds, a slot with fewer going round its own shards again for the rest (every sample at
-    least once per epoch, like DistributedSampler's padding); ``equal="drop"`` as many as the
-    emptiest slot holds (the rest of that epoch's samples are left out; other epochs deal the
-    shards differently). With the same ``num_workers`` and ``batch_size`` on every rank, every
-    rank yields the same number of batches. A bad sample that ``on_error="skip"`` leaves out is
-    made up by the slot's next one, so the counts stay equal; it is counted once per epoch, even
-    when padding tries it again.
+    Each epoch the shards are shuffled (the same order on every rank) and dealt out one by one,
+    each to the slot holding the fewest samples so far. Then every slot yields the same number
+    of samples (``equal``). With the same ``num_workers`` and ``batch_size`` on every rank,
+    every rank yields the same number of batches. A bad sample that ``on_error="skip"`` leaves
+    out is made up by the slot's next one, so the counts stay equal; it is counted once per
+    epoch, even when padding tries it again.
 
-    Rank and world size: arguments, else torch.distributed, else torchrun's RANK / WORLD_SIZE.
     Call ``set_epoch(epoch)`` before each epoch to reshuffle, as with torch's
     DistributedSampler; ``fastmm.DataLoader`` passes it on to persistent workers too. Its
     iterators keep their place in state_dict(), so a resumed loader goes on from there without
     reading again what was handed out.
+
+    Args:
+        dataset: the MultimodalDataset over tar shards.
+        equal: "pad" (default): every slot yields as many samples as the fullest slot holds, a
+            slot with fewer going round its own shards again for the rest (every sample at
+            least once per epoch, like DistributedSampler's padding); "drop": as many as the
+            emptiest slot holds (the rest of that epoch's samples are left out; other epochs
+            deal the shards differently).
+        shuffle: shuffle the shards each epoch; False: the source's order.
+        seed: the shards are shuffled with ``seed + epoch``.
+        rank: this process's rank; None: torch.distributed's, else torchrun's RANK.
+        world_size: ranks in the job; None: torch.distributed's, else torchrun's WORLD_SIZE.
     """
 
     def __init__(self, dataset, *, equal: Literal["pad", "drop"] = "pad", shuffle: bool = True,
@@ -109,7 +116,14 @@ class _Slot:
     """One (rank, worker) slot's samples for an epoch. Its state_dict() is its place in them and
     the bad samples it met, so a resumed loader goes on from there (fastmm.DataLoader and
     torchdata's StatefulDataLoader ask the iterator) instead of reading again what was handed
-    out."""
+    out.
+
+    Args:
+        stream: the ShardStream it serves.
+        indices: the dataset's indices in the slot's shards, in the order they are read.
+        per_slot: how many samples the slot yields this epoch (ShardStream.plan).
+        worker: the worker it runs in (0 without workers), for errors.
+    """
 
     def __init__(self, stream: ShardStream, indices: list[int], per_slot: int, worker: int):
         self.stream, self.indices, self.per_slot, self.worker = stream, indices, per_slot, worker

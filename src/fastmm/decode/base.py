@@ -98,6 +98,15 @@ class DecodeLimits:
             )
 
     def check_clip(self, frames: int, width: int, height: int, key: str) -> None:
+        """DecodeLimitError where a clip of this size would pass a cap (each frame is checked
+        as an image too).
+
+        Args:
+            frames: the clip's frame count (T).
+            width: its frames' width in pixels.
+            height: its frames' height in pixels.
+            key: the sample's key, for the error.
+        """
         self.check_image(width, height, key)
         if frames > self.max_clip_frames:
             raise DecodeLimitError(
@@ -160,7 +169,14 @@ class ClipSpec:
         key: str = "",
         generator: torch.Generator | None = None,
     ) -> list[int]:
-        """Source frame indices of the clip, for a video of ``total_frames`` frames."""
+        """Source frame indices of the clip, for a video of ``total_frames`` frames.
+
+        Args:
+            total_frames: the video's frame count.
+            average_fps: the stream's average frame rate, which ``fps`` sampling needs.
+            key: the sample's key, for errors and, with ``seed``, the seeded draw.
+            generator: the RNG of a "random" clip; None: as the class says.
+        """
         if total_frames < 1:
             raise DecodeError("no_video", key, "the video has no frames")
         n = self.num_frames
@@ -227,8 +243,15 @@ def crop_resize(img: torch.Tensor, plan: CropPlan, *, contiguous: bool = True) -
 def open_image_header(data: bytes, key: str, limits: DecodeLimits, *,
                       unidentified_ok: bool = False):
     """The image opened by Pillow, header read and caps checked, no pixel decoded yet (close
-    it, or use it in a ``with``). Bytes Pillow cannot identify raise DecodeError "corrupt", or
-    give None with ``unidentified_ok``."""
+    it, or use it in a ``with``).
+
+    Args:
+        data: the encoded image.
+        key: the sample's key, for errors.
+        limits: the caps its size is checked against.
+        unidentified_ok: bytes Pillow cannot identify give None; without it they raise
+            DecodeError "corrupt".
+    """
     from PIL import Image
 
     if not data:
@@ -356,9 +379,16 @@ def probe_image(data: bytes, key: str, limits: DecodeLimits) -> None:
 
 def to_rgb_chw(img: torch.Tensor, key: str, limits: DecodeLimits | None = None, *,
                contiguous: bool = True) -> torch.Tensor:
-    """Apply the colour rules to a CHW (or NCHW) tensor from a library decoder; with ``limits``,
-    check the caps too (for images whose header probe_image could not read). ``contiguous=False``
-    may return a view (of a decoder's HWC memory) for a caller that copies anyway."""
+    """Apply the colour rules to a CHW (or NCHW) tensor from a library decoder.
+
+    Args:
+        img: the decoded tensor, CHW (NCHW: an animated image, whose first frame is kept).
+        key: the sample's key, for errors.
+        limits: check the caps too (for images whose header probe_image could not read); None:
+            no check.
+        contiguous: False may return a view (of a decoder's HWC memory) for a caller that
+            copies anyway.
+    """
     if img.dim() == 4:  # animated formats: first frame, as Pillow does
         img = img[0]
     if limits is not None:
@@ -389,7 +419,16 @@ class ImageDecoder(Protocol):
                      reduce_to: tuple[int, int] | None = None) -> torch.Tensor: ...
 
     def decode_resized_crop(self, data: bytes, plan: Callable[[int, int], CropPlan], *,
-                            key: str = "", reduce: bool = False) -> torch.Tensor: ...
+                            key: str = "", reduce: bool = False) -> torch.Tensor:
+        """The image decoded, cropped and resized as ``plan(width, height)`` says.
+
+        Args:
+            data: the encoded image.
+            plan: makes the CropPlan from the image's size (a ResizedCrop's ``plan``).
+            key: the sample's key, for errors.
+            reduce: the fast path, where the backend has one (MultimodalDataset's ``reduce``).
+        """
+        ...
 
 
 @runtime_checkable
@@ -398,12 +437,33 @@ class VideoDecoder(ImageDecoder, Protocol):
 
     def decode_clip(self, data: bytes, spec: ClipSpec, *, key: str = "",
                     generator: torch.Generator | None = None
-                    ) -> tuple[torch.Tensor, list[int]]: ...
+                    ) -> tuple[torch.Tensor, list[int]]:
+        """The clip ``spec`` picks (uint8 TxCxHxW RGB) and the source frame index of each of
+        its frames.
+
+        Args:
+            data: the encoded video.
+            spec: which frames make the clip.
+            key: the sample's key, for errors and a seeded ClipSpec's draw.
+            generator: the RNG of a "random" clip (see ClipSpec).
+        """
+        ...
 
     def decode_resized_clip(self, data: bytes, spec: ClipSpec,
                             plan: Callable[[int, int], CropPlan], *, key: str = "",
                             generator: torch.Generator | None = None
-                            ) -> tuple[torch.Tensor, list[int]]: ...
+                            ) -> tuple[torch.Tensor, list[int]]:
+        """The clip, as decode_clip gives it, cropped and resized as ``plan(width, height)``
+        says.
+
+        Args:
+            data: the encoded video.
+            spec: which frames make the clip.
+            plan: makes the CropPlan from the frame size: one plan for all the clip's frames.
+            key: the sample's key, for errors and a seeded ClipSpec's draw.
+            generator: the RNG of a "random" clip (see ClipSpec).
+        """
+        ...
 
 
 # name -> module path; each module defines ``Decoder``. What to pip install for each is in

@@ -58,7 +58,14 @@ class Decoder(LibraryDecoder):
     ) -> torch.Tensor:
         """An 8-bit JPEG's crop is planned from its frame header and only the crop's region is
         decoded (DALI's region-of-interest decode: the same pixels as cropping the whole
-        image, 25% less time per 224 crop here); other images as every library backend does."""
+        image, 25% less time per 224 crop here); other images as every library backend does.
+
+        Args:
+            data: the encoded image.
+            plan: makes the CropPlan from the image's size, ``plan(width, height)``.
+            key: the sample's key, for errors.
+            reduce: a hint this backend ignores: it decodes at full size.
+        """
         size = jpeg_size(data)
         if size is None or _may_be_wide(data):
             return super().decode_resized_crop(data, plan, key=key, reduce=reduce)

@@ -42,9 +42,15 @@ class LibraryDecoder:
         self, data: bytes, plan: Callable[[int, int], CropPlan], *, key: str = "",
         reduce: bool = False,
     ) -> torch.Tensor:
-        """Decode, then crop and resize as ``plan(width, height)`` says (``reduce`` is a hint
-        this backend ignores: it decodes at full size). The crop reads the decoder's memory as
-        it is: only the output is copied."""
+        """Decode, then crop and resize as ``plan(width, height)`` says. The crop reads the
+        decoder's memory as it is: only the output is copied.
+
+        Args:
+            data: the encoded image.
+            plan: makes the CropPlan from the decoded image's size.
+            key: the sample's key, for errors.
+            reduce: a hint this backend ignores: it decodes at full size.
+        """
         probe_image(data, key, self.limits)
         img = to_rgb_chw(self._decoded(data, key), key, self.limits, contiguous=False)
         return crop_resize(img, plan(img.shape[-1], img.shape[-2]))

@@ -96,7 +96,15 @@ def _one(children: dict, kind: bytes):
 
 def _table(data, payload: int, stop: int, fields: int, dtype=">u4") -> np.ndarray:
     """A full box's entry table: version and flags, count, then count entries of ``fields``
-    32-bit words."""
+    32-bit words.
+
+    Args:
+        data: the MP4's bytes.
+        payload: where the table starts (the full box's version and flags).
+        stop: where the box ends; a table that runs past it is a ValueError.
+        fields: 32-bit words per entry.
+        dtype: how a word is read (big-endian unsigned; ">i4" for signed offsets).
+    """
     count = struct.unpack_from(">I", data, payload + 4)[0]
     first = payload + 8
     if first + count * fields * 4 > stop:
@@ -234,7 +242,15 @@ _HEVC_SUB_LAYER_NON_REFERENCE = {0, 2, 4, 6, 8, 10, 12, 14}  # TRAIL_N, TSA_N, .
 
 def is_reference(data: bytes, offset: int, size: int, codec: str, nal_length: int) -> bool:
     """Whether a sample's first slice may be used to predict other frames; True when it can't
-    tell."""
+    tell.
+
+    Args:
+        data: the MP4's bytes.
+        offset: where the sample starts in ``data``.
+        size: the sample's bytes.
+        codec: "h264" or "hevc".
+        nal_length: bytes of the length before each NAL unit (the track's avcC or hvcC).
+    """
     end, pos = offset + size, offset
     while pos + nal_length + 1 < end:
         length = int.from_bytes(data[pos:pos + nal_length], "big")

@@ -44,12 +44,18 @@ class Decoder:
         """Decode, crop and resize (bilinear, antialiased) as ``plan(width, height)`` says; the
         plan is made from the header, before any pixel is decoded.
 
-        ``reduce=False``: all in Pillow, bit-exact with torchvision's v2 ``resized_crop`` on a
-        PIL image. ``reduce=True``, the fast path: a JPEG whose crop box is at least twice the
-        output size is decoded at 1/2, 1/4 or 1/8 scale inside libjpeg (DCT scaling, never below
-        the output size) and resized from the box by Pillow at sub-pixel precision; any other
-        image is resized by torch's vectorised uint8 kernel (about twice Pillow's speed, within
-        one level of it). Pixels differ slightly (docs/dataset.md gives the figures)."""
+        Args:
+            data: the encoded image.
+            plan: makes the CropPlan from the image's size.
+            key: the sample's key, for errors.
+            reduce: False: all in Pillow, bit-exact with torchvision's v2 ``resized_crop`` on a
+                PIL image. True, the fast path: a JPEG whose crop box is at least twice the
+                output size is decoded at 1/2, 1/4 or 1/8 scale inside libjpeg (DCT scaling,
+                never below the output size) and resized from the box by Pillow at sub-pixel
+                precision; any other image is resized by torch's vectorised uint8 kernel (about
+                twice Pillow's speed, within one level of it). Pixels differ slightly
+                (docs/dataset.md gives the figures).
+        """
         with open_image_header(data, key, self.limits) as im:
             p = plan(im.width, im.height)
             if not reduce:
@@ -72,7 +78,14 @@ class Decoder:
 
     def reduced_crop(self, im: Image.Image, p: CropPlan, scale: tuple[float, float],
                      key: str) -> torch.Tensor:
-        """Decode a drafted JPEG and resize from the plan's box, scaled, at sub-pixel precision."""
+        """Decode a drafted JPEG and resize from the plan's box, scaled, at sub-pixel precision.
+
+        Args:
+            im: the JPEG opened by Pillow, its draft set (``draft``).
+            p: the crop plan, in full-size pixels.
+            scale: the (x, y) scale the draft gave (``draft``'s answer).
+            key: the sample's key, for errors.
+        """
         sx, sy = scale
         box = (p.left * sx, p.top * sy, (p.left + p.width) * sx, (p.top + p.height) * sy)
         return self.pixels(im, key, lambda img: _pil_resized_crop(img, p, box))

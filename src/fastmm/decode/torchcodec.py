@@ -53,7 +53,14 @@ class Decoder(LibraryDecoder):
         self, data: bytes, spec: ClipSpec, *, key: str = "",
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
-        """uint8 TxCxHxW RGB clip and the source frame index of each of its frames."""
+        """uint8 TxCxHxW RGB clip and the source frame index of each of its frames.
+
+        Args:
+            data: the encoded video.
+            spec: which frames make the clip.
+            key: the sample's key, for errors and a seeded ClipSpec's draw.
+            generator: the RNG of a "random" clip (see ClipSpec).
+        """
         return self._clip(data, spec, key, generator, [])
 
     def decode_resized_clip(
@@ -64,7 +71,16 @@ class Decoder(LibraryDecoder):
         frames). FFmpeg crops each frame before it is handed over, so only the box is converted
         to RGB and copied (the same pixels as cropping afterwards); the plan is drawn when the
         video is opened, before the clip's start frame. The clip may be channels-last in
-        memory: the batch's stack makes the one copy it needs."""
+        memory: the batch's stack makes the one copy it needs.
+
+        Args:
+            data: the encoded video.
+            spec: which frames make the clip.
+            plan: makes the CropPlan from the frame size; where the container gives none, from
+                the decoded frames' size.
+            key: the sample's key, for errors and a seeded ClipSpec's draw.
+            generator: the RNG of a "random" clip (see ClipSpec).
+        """
         crop = _PlannedCrop(plan)
         try:
             frames, idx = self._clip(data, spec, key, generator, [crop])
@@ -77,6 +93,18 @@ class Decoder(LibraryDecoder):
         return crop_resize(frames, crop.plan._replace(top=0, left=0), contiguous=False), idx
 
     def _clip(self, data, spec, key, generator, transforms):
+        """The clip's frames and their source indices: from the slimmed MP4 where it can be
+        slimmed (``skip_unused_frames``), else from the video as it is; caps checked from the
+        container's metadata before any frame is decoded.
+
+        Args:
+            data: the encoded video.
+            spec: which frames make the clip (a ClipSpec).
+            key: the sample's key, for errors and a seeded ClipSpec's draw.
+            generator: the RNG of a "random" clip (see ClipSpec).
+            transforms: torchcodec decoder transforms applied to each frame (a _PlannedCrop),
+                or [].
+        """
         if not data:
             raise DecodeError("empty", key, "zero-byte video")
         check_gpu_usable(self.device)
@@ -125,7 +153,14 @@ class Decoder(LibraryDecoder):
 
     def _slim_clip(self, slim: mp4.Slim, spec, key, transforms) -> torch.Tensor | None:
         """The clip's frames from the slimmed MP4, or None where FFmpeg does not read it as
-        mp4.slim_clip expects (then the file is decoded as it is)."""
+        mp4.slim_clip expects (then the file is decoded as it is).
+
+        Args:
+            slim: the slimmed MP4 and the clip's frames in it (mp4.slim_clip).
+            spec: which frames make the clip, for the caps.
+            key: the sample's key, for errors.
+            transforms: torchcodec decoder transforms applied to each frame, or [].
+        """
         try:
             dec = tcd.VideoDecoder(slim.data, device=self.device, seek_mode="exact",
                                    transforms=transforms or None)

@@ -96,9 +96,16 @@ class Decoder(LibraryDecoder):
         """Decode, crop and resize as ``plan(width, height)`` says, the plan made from the
         header (a JPEG's frame header is read directly, other formats' through Pillow).
         libjpeg-turbo decodes straight into a tensor, cropped as a view and resized by torch's
-        vectorised uint8 kernel. With ``reduce``, a JPEG whose crop box is at least twice the
-        output size is decoded at a DCT-reduced scale, through Pillow (torchvision does not
-        expose libjpeg's scaling)."""
+        vectorised uint8 kernel.
+
+        Args:
+            data: the encoded image.
+            plan: makes the CropPlan from the image's size.
+            key: the sample's key, for errors.
+            reduce: a JPEG whose crop box is at least twice the output size is decoded at a
+                DCT-reduced scale, through Pillow (torchvision does not expose libjpeg's
+                scaling).
+        """
         size = jpeg_size(data)
         if size is not None:
             self.limits.check_image(*size, key)
@@ -119,6 +126,15 @@ class Decoder(LibraryDecoder):
             return self._pil.pixels(im, key, lambda img: crop_resize(hwc_view(img), p))
 
     def _jpeg_resized_crop(self, data: bytes, p: CropPlan, key: str, reduce: bool) -> torch.Tensor:
+        """A JPEG decoded, cropped and resized as its plan says: by libjpeg-turbo, or, with
+        ``reduce`` and a box large enough, at a DCT-reduced scale through Pillow.
+
+        Args:
+            data: the encoded JPEG.
+            p: the crop plan, made from its size.
+            key: the sample's key, for errors.
+            reduce: allow the DCT-reduced decode (decode_resized_crop's ``reduce``).
+        """
         if reduce and p.width >= 2 * p.out_width and p.height >= 2 * p.out_height:
             # a box under twice the output in either direction never gets a reduced scale, so
             # only these are opened in Pillow

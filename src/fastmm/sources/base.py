@@ -111,6 +111,14 @@ def read_capped(f, origin: str) -> bytes:
 
 
 def check_split(rank: int, world_size: int, worker: int, num_workers: int) -> None:
+    """ValueError unless (rank, worker) is one of the split's slots.
+
+    Args:
+        rank: the process's rank, from 0.
+        world_size: ranks in the job.
+        worker: the worker's id within its rank, from 0.
+        num_workers: workers per rank.
+    """
     if (
         world_size < 1
         or num_workers < 1
@@ -137,7 +145,14 @@ def to_stderr(line: str) -> None:
 
 class ProgressLines:
     """Lines about a long pass over ``total`` units to ``say``: none in its first ``EVERY_S``
-    seconds (a quick pass stays quiet), then one every ``EVERY_S`` and one when it ends."""
+    seconds (a quick pass stays quiet), then one every ``EVERY_S`` and one when it ends.
+
+    Args:
+        say: takes each line (a source's ``progress``); None: no lines.
+        what: what the pass does, as the lines name it ("indexing shards").
+        total: units in the whole pass, which ``update(done)`` counts towards.
+        unit: what a unit is ("shards", "MB"), for the lines.
+    """
 
     EVERY_S = 5.0
 
@@ -180,7 +195,14 @@ class Source:
         self._ahead_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads)
 
     def report(self, reason: str, key: str, origin: str, message: str) -> None:
-        """Raise or count one problem, as on_error says."""
+        """Raise or count one problem, as on_error says.
+
+        Args:
+            reason: a short counter name (SourceError's ``reason``).
+            key: the sample's key.
+            origin: where it is (the file, or ``shard.tar:offset``).
+            message: what is wrong with it, in one line.
+        """
         if self.on_error == "raise":
             raise SourceError(reason, key, origin, message)
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -236,4 +258,13 @@ class Source:
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:
+        """The samples of one (rank, worker) slot, read front to back; every sample goes to
+        exactly one slot.
+
+        Args:
+            rank: the process's rank, from 0.
+            world_size: ranks in the job.
+            worker: the worker's id within its rank, from 0.
+            num_workers: workers per rank.
+        """
         raise NotImplementedError

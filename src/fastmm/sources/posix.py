@@ -33,12 +33,25 @@ class PosixSource(Source):
     file): one JSON object per line, ``{"key": ..., "members": {"jpg": "rel/path.jpg", ...}}``,
     paths relative to the manifest's directory; samples keep the manifest's order.
     Either can be in an object store: ``s3://bucket/prefix/`` (the objects under it) or
-    ``s3://bucket/path/manifest.jsonl``, each member one GET through ``store`` (default: an
-    S3Store from the standard AWS configuration).
-    ``required``: extensions every sample must have, else it is reported as "missing_member".
-    ``rejected``: (name, where, why) of files a listing named but nothing may read (a staged
-    source's hostile names): each is a damaged sample "unsafe_name", raised or counted when
-    reached, so a name is never lost without a count.
+    ``s3://bucket/path/manifest.jsonl``, each member one GET through ``store``.
+
+    Args:
+        root: the tree's directory or the manifest file, local or ``s3://``.
+        on_error: "raise" or "skip" (see Source).
+        required: extensions every sample must have, else it is reported as "missing_member".
+        max_member_bytes: the most bytes one member may have; a larger one is "too_large".
+        files: the tree's files (paths relative to ``root``), taken instead of listing it (a
+            staged source's copies).
+        before_open: called with each path (the manifest, a member) before it is opened: a
+            staged source copies the file there first.
+        keep_problems: how many of the latest problems ``problems`` keeps.
+        store: the object store of an ``s3://`` root (default: an S3Store from the standard
+            AWS configuration).
+        rejected: (name, where, why) of files a listing named but nothing may read (a staged
+            source's hostile names): each is a damaged sample "unsafe_name", raised or counted
+            when reached, so a name is never lost without a count.
+        _errors: the (skipped, problems) to count into, shared with a staged source; None:
+            this source's own.
     """
 
     kind = "posix"
@@ -258,7 +271,14 @@ class PosixSource(Source):
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:
         """Samples in key order, split round-robin (see ``slot_of``); damaged ones are skipped
-        and counted, or raise, as on_error says."""
+        and counted, or raise, as on_error says.
+
+        Args:
+            rank: the process's rank, from 0.
+            world_size: ranks in the job.
+            worker: the worker's id within its rank, from 0.
+            num_workers: workers per rank.
+        """
         check_split(rank, world_size, worker, num_workers)
         for i in range(len(self)):
             if slot_of(i, world_size, num_workers) == (rank, worker):

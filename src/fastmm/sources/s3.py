@@ -174,8 +174,14 @@ class S3Store:
         return ObjectInfo(url, r["ContentLength"], r["ETag"])
 
     def _get(self, url: str, start: int, end: int | None, etag: str | None):
-        """The body of one GET of bytes ``start``..``end`` (inclusive; None: to the end), and
-        the object's ETag."""
+        """The body of one GET of bytes ``start``..``end``, and the object's ETag.
+
+        Args:
+            url: the object's ``s3://`` URL.
+            start: its first byte to get.
+            end: its last byte to get (inclusive); None: to the end.
+            etag: the ETag the object must still have (a resumed read's); None: any.
+        """
         bucket, key = split_url(url)
         args = {"Bucket": bucket, "Key": key}
         if start or end is not None:
@@ -188,8 +194,16 @@ class S3Store:
 
     def read(self, url: str, start: int = 0, size: int | None = None,
              etag: str | None = None) -> bytes:
-        """``size`` bytes from ``start`` (to the end for None): one ranged GET, resumed where a
-        dropped connection left it. Fewer bytes only where the object ends first."""
+        """``size`` bytes from ``start``: one ranged GET, resumed where a dropped connection
+        left it. Fewer bytes only where the object ends first.
+
+        Args:
+            url: the object's ``s3://`` URL.
+            start: the first byte to read.
+            size: how many bytes; None: to the end.
+            etag: the ETag the object must have (the one a listing or head gave); None: any,
+                then the first GET's for its resumptions.
+        """
         from botocore.exceptions import ClientError
 
         parts, got, tries = [], 0, 0
@@ -212,8 +226,15 @@ class S3Store:
         return b"".join(parts)
 
     def _resume_or_raise(self, e: Exception, url: str, at: int, tries: int) -> None:
-        """After ``e`` on the ``tries``-th try: wait a backoff and return (the caller resumes
-        at byte ``at``), or raise if ``e`` is not a dropped connection or tries are spent."""
+        """After ``e`` on the ``tries``-th try: wait a backoff and return (the caller resumes),
+        or raise if ``e`` is not a dropped connection or tries are spent.
+
+        Args:
+            e: what the try raised.
+            url: the object's ``s3://`` URL, for the error.
+            at: the byte the caller resumes at, for the error.
+            tries: tries so far, this one included.
+        """
         if not _dropped(e):
             raise self._fail(e, url) from e
         if tries >= self.attempts:

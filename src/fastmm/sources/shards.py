@@ -246,24 +246,40 @@ def _valid_index(entries, file_size: int) -> bool:
 
 
 class ShardSource(Source):
-    """WebDataset-layout tar shards: ``root`` is a directory (its ``*.tar``, sorted), one
-    ``.tar`` file, or a list of them; or the same in an object store: ``s3://bucket/prefix``
-    (the ``.tar`` objects under it), ``s3://bucket/one.tar``, or a list of such URLs, read in
-    place through ``store`` (default: an S3Store from the standard AWS configuration).
+    """WebDataset-layout tar shards, on a file system or in an object store (read in place).
 
     Random access (``keys``/``read``) uses an offset index built by one header scan per shard,
-    kept in memory, or with ``index_cache="beside"`` also in ``.<shard>.fastmm-idx.json`` next
-    to the shard (reused while the shard's size and mtime match). Over S3 a scan streams the
+    kept in memory (or also beside the shard: ``index_cache``). Over S3 a scan streams the
     shard front to back, unless ``index_cache="beside"`` finds that index published beside the
     shard (uploaded with it) for a shard of its size: then opening costs one small GET per
     shard, and every read checks its sample's tar header against the index ("stale_index"
     where they differ). ``read`` is one ranged GET per sample. ``iter_samples`` reads shards
     sequentially without the index; whole shards go round-robin to (rank, worker) pairs in
-    webdataset's order (see ``slot_of``). Indexing that runs over 5 s sends a line to
-    ``progress`` (default: stderr; None for none) every 5 s and when it ends.
-    ``rejected``: (name, where, why) of shards a listing named but nothing may open (a staged
-    source's hostile names): each comes after the others as a shard that cannot be opened,
-    its samples one damaged entry, raised or counted when reached."""
+    webdataset's order (see ``slot_of``).
+
+    Args:
+        root: a directory (its ``*.tar``, sorted), one ``.tar`` file, or a list of them; or
+            the same in an object store: ``s3://bucket/prefix`` (the ``.tar`` objects under
+            it), ``s3://bucket/one.tar``, or a list of such URLs.
+        on_error: "raise" or "skip" (see Source).
+        required: extensions every sample must have, else it is reported as "missing_member".
+        max_member_bytes: the most bytes one member may have; a larger one is "too_large".
+        index_cache: "memory" keeps each shard's index in memory only; "beside" also in
+            ``.<shard>.fastmm-idx.json`` next to the shard (reused while the shard's size and
+            mtime match).
+        before_open: called with a local shard's path before it is opened: a staged source
+            copies the shard there first.
+        keep_problems: how many of the latest problems ``problems`` keeps.
+        progress: takes a line every 5 s, and one when it ends, from indexing that runs over
+            5 s (default: stderr; None for none).
+        store: the object store of ``s3://`` shards (default: an S3Store from the standard AWS
+            configuration).
+        rejected: (name, where, why) of shards a listing named but nothing may open (a staged
+            source's hostile names): each comes after the others as a shard that cannot be
+            opened, its samples one damaged entry, raised or counted when reached.
+        _errors: the (skipped, problems) to count into, shared with a staged source; None:
+            this source's own.
+    """
 
     kind = "shards"
 
@@ -543,7 +559,14 @@ class ShardSource(Source):
     def shards_for(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> list[str]:
-        """The shards (rank, worker) streams: shard ``i`` goes to ``slot_of(i, ...)``."""
+        """The shards (rank, worker) streams: shard ``i`` goes to ``slot_of(i, ...)``.
+
+        Args:
+            rank: the process's rank, from 0.
+            world_size: ranks in the job.
+            worker: the worker's id within its rank, from 0.
+            num_workers: workers per rank.
+        """
         check_split(rank, world_size, worker, num_workers)
         return [
             p
@@ -555,7 +578,14 @@ class ShardSource(Source):
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:
         """Sequential read of this pair's shards; damaged samples are skipped and counted, or
-        raise when reached, as on_error says. Samples before a truncation still come out."""
+        raise when reached, as on_error says. Samples before a truncation still come out.
+
+        Args:
+            rank: the process's rank, from 0.
+            world_size: ranks in the job.
+            worker: the worker's id within its rank, from 0.
+            num_workers: workers per rank.
+        """
         for shard in self.shards_for(rank, world_size, worker, num_workers):
             f = self._opened(shard)
             if f is None:
@@ -619,8 +649,17 @@ def write_shards(
     """Write samples as WebDataset tar shards ``<prefix>-000000.tar``, ... and return their paths.
 
     Deterministic (members sorted by extension, mtime 0, owner root, mode 0444), so the same
-    samples give the same bytes. A new shard starts when the next sample would pass ``max_bytes``
-    of tar data or ``max_count`` samples. Each shard appears atomically (temp name, rename)."""
+    samples give the same bytes. Each shard appears atomically (temp name, rename).
+
+    Args:
+        samples: Samples, or (key, {extension: bytes}) pairs.
+        out_dir: where the shards go (made if missing).
+        max_bytes: a new shard starts when the next sample would pass this many bytes of tar
+            data; None: no cap.
+        max_count: a new shard starts when the next sample would pass this many samples;
+            None: no cap.
+        prefix: the shards' file names' start.
+    """
     os.makedirs(out_dir, exist_ok=True)
     paths: list[str] = []
     state: dict = {}

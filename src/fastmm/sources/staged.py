@@ -109,29 +109,46 @@ def write_file_manifest(root: str) -> str:
 
 
 class StagedSource(Source):
-    """Stage ``root`` (a directory, an ``http(s)://`` URL or an ``s3://bucket/prefix``) into a directory of its own under
-    ``stage_dir`` (``self.stage_dir``: ``<root's name>-<hash of root>``), then read it with the
-    ``inner`` source ("posix" or "shards") from there.
+    """Stage ``root`` into a directory of its own under ``stage_dir``, then read it with the
+    ``inner`` source from there.
 
-    mode="before" copies everything when opened; "on_touch" copies a file when it is first read.
-    A file that fails to stage in mode "before" (unreadable, wrong size or checksum) raises
-    there, unless ``defer_failures`` (default: on_error == "skip"; MultimodalDataset sets it
-    when its own policy skips or replaces): then it is tried again when its samples are read,
-    where a failure is those samples', raised or counted as on_error says (a ``.tar`` to
-    extract still raises: its samples are unknown until it is unpacked).
-    ``max_bytes`` caps the staged size (checked before copying; a clear SourceError "stage_cap").
-    ``extract=True`` (mode "before", inner "posix") unpacks staged ``.tar`` files into
-    ``<name>/``: member names are validated, links and devices never created, sizes capped, and
-    nothing is written outside the staging directory. ``entry`` names the path inside the staged
-    tree the inner source opens (e.g. a posix manifest). Other keywords go to the inner source.
     Names in the listing that cannot be staged safely (see ``_listing``) are never copied: with
     on_error="raise" they raise SourceError "unsafe_name" when the source opens; with "skip"
     they are counted; with ``defer_failures`` and "raise" they reach the inner source as
     damaged samples (posix) or shards (shards), raised when read, so a dataset's own policy
     counts them (``rejected`` keeps them, with where they were listed and why).
     ``staging_cost``: this process's seconds (copying, verifying and waiting for other stagers),
-    bytes and files it copied itself, and bytes/s. A staging pass that runs over 5 s sends a
-    line to ``progress`` (default: stderr; None for none) every 5 s and when it ends."""
+    bytes and files it copied itself, and bytes/s.
+
+    Args:
+        root: what to stage: a directory, an ``http(s)://`` URL or an ``s3://bucket/prefix``.
+        stage_dir: the local directory the copy goes under, in a directory of its own
+            (``self.stage_dir``: ``<root's name>-<hash of root>``); default FASTMM_STAGE_DIR.
+        inner: the source that reads the staged copy, "posix" or "shards".
+        mode: "before" copies everything when opened; "on_touch" copies a file when it is
+            first read.
+        max_bytes: caps the staged size (checked before copying; a clear SourceError
+            "stage_cap"); None: no cap.
+        max_member_bytes: the most bytes one member may have (the inner source's cap, and
+            ``extract``'s).
+        extract: True (mode "before", inner "posix") unpacks staged ``.tar`` files into
+            ``<name>/``: member names are validated, links and devices never created, sizes
+            capped, and nothing is written outside the staging directory.
+        entry: the path inside the staged tree the inner source opens (e.g. a posix manifest).
+        on_error: "raise" or "skip" (see Source).
+        defer_failures: a file that fails to stage in mode "before" (unreadable, wrong size or
+            checksum) raises there, unless this is set: then it is tried again when its
+            samples are read, where a failure is those samples', raised or counted as on_error
+            says (a ``.tar`` to extract still raises: its samples are unknown until it is
+            unpacked). Default: on_error == "skip"; MultimodalDataset sets it when its own
+            policy skips or replaces.
+        timeout_s: seconds an ``http(s)://`` request may wait.
+        keep_problems: how many of the latest problems ``problems`` keeps.
+        progress: a staging pass that runs over 5 s sends a line here every 5 s and when it
+            ends (default: stderr; None for none).
+        **inner_options: go to the inner source; but ``store``, an S3Store, is the one an
+            ``s3://`` root is staged through.
+    """
 
     kind = "staged"
 
@@ -282,6 +299,14 @@ class StagedSource(Source):
     def iter_samples(
         self, rank: int = 0, world_size: int = 1, worker: int = 0, num_workers: int = 1
     ) -> Iterator[Sample]:
+        """The inner source's samples of one (rank, worker) slot, read from the staged copy.
+
+        Args:
+            rank: the process's rank, from 0.
+            world_size: ranks in the job.
+            worker: the worker's id within its rank, from 0.
+            num_workers: workers per rank.
+        """
         return self.inner.iter_samples(rank, world_size, worker, num_workers)
 
     # -- staging -----------------------------------------------------------------------------

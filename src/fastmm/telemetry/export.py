@@ -46,7 +46,18 @@ def _fmt(name: str, value: float) -> str:
 def write(directory: str, summary: dict, series: list[dict], spans, loop_events, gpu_events,
           t0_ns: int) -> dict[str, str]:
     """summary.json; timeseries.jsonl, one sampler row a line (its fields: sampler.Sampler);
-    with ``spans``, trace.json."""
+    with ``spans``, trace.json. Returns the paths written, by kind.
+
+    Args:
+        directory: where the files go (made if missing).
+        summary: the session's summary (Telemetry.summary()).
+        series: the sampler's rows, in order.
+        spans: the stage spans, rows of (process row, stage, start ns, end ns, value) as
+            SpanLog.drain gives them; None: no trace.
+        loop_events: (name, start ns, end ns) of the loop's marks, for the trace.
+        gpu_events: (name, host start ns, GPU seconds) of CUDA-timed marks, for the trace.
+        t0_ns: the session's start (time.monotonic_ns), the trace's zero.
+    """
     os.makedirs(directory, exist_ok=True)
     paths = {"summary": os.path.join(directory, "summary.json"),
              "timeseries": os.path.join(directory, "timeseries.jsonl")}
@@ -64,7 +75,18 @@ def write(directory: str, summary: dict, series: list[dict], spans, loop_events,
 
 
 def chrome_trace(spans, loop_events, gpu_events, series, t0_ns: int, loader: str) -> dict:
-    """Trace Event Format: complete ("X") events in microseconds from the session's start."""
+    """Trace Event Format: complete ("X") events in microseconds from the session's start.
+
+    Args:
+        spans: the stage spans, rows of (process row, stage, start ns, end ns, value): a track
+            for the main loop (row 0) and one per worker.
+        loop_events: (name, start ns, end ns) of the loop's marks, on the main loop's track.
+        gpu_events: (name, host start ns, GPU seconds) of CUDA-timed marks, on the GPU's track
+            at the host time the work was queued.
+        series: the sampler's rows, whose memory figures become counters.
+        t0_ns: the session's start (time.monotonic_ns), the trace's zero.
+        loader: the loader's name, the trace's process name.
+    """
     pid = 1
     events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": loader}},
               {"ph": "M", "name": "thread_name", "pid": pid, "tid": MAIN_TID,

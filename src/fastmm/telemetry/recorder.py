@@ -78,6 +78,16 @@ class SpanLog:
         self.dropped = 0
 
     def write(self, row: int, code: int, start_ns: int, end_ns: int, value: int = 0) -> None:
+        """One record into a row's ring; once the ring is full, over its oldest.
+
+        Args:
+            row: the writing process's row (0: the main process; a worker: its id + 1).
+            code: the stage, its place in STAGES.
+            start_ns: when the stage began (time.monotonic_ns).
+            end_ns: when it ended (time.monotonic_ns).
+            value: bytes read, or samples collated or timed together; SAMPLE_COPY for a
+                collate span that copied one sample into its batch; 0: none.
+        """
         head = row * self._row_bytes
         n = _COUNT.unpack_from(self._bytes, head)[0]
         _RECORD.pack_into(self._bytes, head + 8 + (n % self.capacity) * 8 * _FIELDS,

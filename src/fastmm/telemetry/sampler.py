@@ -81,9 +81,7 @@ class _Nvml:
 
 
 class Sampler:
-    """Samples until stopped; ``workers()`` says which worker pids to watch right now, and
-    ``record(row)`` takes each row. ``base``: ``baseline()`` as the epoch began (read now if
-    not given).
+    """Samples until stopped.
 
     A row (one per tick; timeseries.jsonl holds them): ``t_s`` (seconds since the sampler
     started), ``t_ns`` (time.monotonic_ns, the trace's clock), ``pids`` (main first, then the
@@ -93,7 +91,18 @@ class Sampler:
     ``gpu_util_percent``; a sweep's row also has per pid ``pss_bytes``, ``uss_bytes`` and
     ``pss_anon_bytes``, and ``loader_host_bytes`` = sum(pss_anon_bytes) - the main process's
     Pss_Anon in the base + shm_bytes: the host memory the loader added. A value is None where
-    its process could not be read (a worker gone; loader_host_bytes then too)."""
+    its process could not be read (a worker gone; loader_host_bytes then too).
+
+    Args:
+        workers: ``workers()`` says which worker pids to watch right now.
+        interval_s: seconds between ticks.
+        pss_interval_s: seconds between sweeps (rows with PSS, USS and loader_host_bytes)
+            once the workers have run a while (the first sweeps come sooner, the gap doubling
+            from FIRST_PSS_S); None: one sweep, as the sampler stops.
+        gpu_index: the GPU whose utilisation NVML reports; None: no GPU figures.
+        record: ``record(row)`` takes each row.
+        base: ``baseline()`` as the epoch began (read now if not given).
+    """
 
     def __init__(self, workers, interval_s: float, pss_interval_s: float, gpu_index: int | None,
                  record, base: tuple[int, int | None] | None = None):

@@ -204,7 +204,16 @@ class Telemetry:
         return _EpochIterator(self, loader, it, t_iter, start)
 
     def _end_epoch(self, it, t_iter: int, start: tuple, ran_out: bool) -> None:
-        """``start``: (samples, collated, spans dropped) as the epoch began."""
+        """An epoch's end: its wall time counted, the sampler stopped and its last spans
+        drained.
+
+        Args:
+            it: the loader's iterator of the epoch.
+            t_iter: when the epoch began (time.monotonic_ns, as iter() was called).
+            start: (samples, collated, spans dropped) as the epoch began.
+            ran_out: the epoch ran to its end (not let go of by the loop): then the collate
+                spans' counts may set the sample count exactly.
+        """
         self._wall_s += (time.monotonic_ns() - t_iter) / 1e9
         self._epoch_since_ns = None
         self._stop_sampler()  # (it drains the last spans)
@@ -351,7 +360,15 @@ class _EpochIterator(_Forwarding):
     batch on tiny samples here; a thread the worker starts itself costs it nothing
     measurable. At the first next(), not as the iterator is made, so that a process making
     several loaders' iterators in turn (a benchmark's arms) forks them all first. Its start
-    counts in neither the epoch's time nor its first batch's, as when it started before."""
+    counts in neither the epoch's time nor its first batch's, as when it started before.
+
+    Args:
+        tm: the session.
+        loader: the loader watched.
+        it: the loader's own iterator of the epoch.
+        t_iter: when the epoch began (time.monotonic_ns, as iter() was called).
+        start: (samples, collated, spans dropped) as the epoch began, for ``_end_epoch``.
+    """
 
     _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_replaced", "_last", "_ended",
             "_batched", "_times", "_sampling")
@@ -472,8 +489,15 @@ def _restart_persistent_workers(loader) -> None:
 
 
 def _splice_out(loader, attr: str, inner: str, mine) -> None:
-    """Take the wrapper ``mine`` out of ``loader.<attr>``: what it wraps now (its ``inner``
-    attribute) takes its place, at the top or under another session's wrapper."""
+    """Take the wrapper ``mine`` out of ``loader.<attr>``: what it wraps now takes its place,
+    at the top or under another session's wrapper.
+
+    Args:
+        loader: the loader watched.
+        attr: the loader's attribute the wrappers sit on ("dataset", "collate_fn").
+        inner: the wrappers' attribute holding what each wraps ("_inner", "fn").
+        mine: this session's wrapper.
+    """
     original = mine.__dict__[inner]
     node = getattr(loader, attr)
     if node is mine:
