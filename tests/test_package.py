@@ -22,6 +22,7 @@ def test_import_fastmm_loads_nothing_until_a_name_is_used():
     assert _loaded_after("import fastmm") == {"fastmm"}
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch: about 3 s
 def test_the_loader_side_loads_without_dataset_sources_or_decoders():
     loaded = _loaded_after("import fastmm.loader")
     assert "fastmm.loader" in loaded
@@ -29,6 +30,7 @@ def test_the_loader_side_loads_without_dataset_sources_or_decoders():
                                                            ["stream"], ["bench"])}, sorted(loaded)
 
 
+@pytest.mark.slow
 def test_decoding_loads_nothing_of_the_transport():
     loaded = _loaded_after("import fastmm.decode.base")
     assert not loaded & {"fastmm.slabs", "fastmm.collate", "fastmm.loader", "fastmm._workers",
