@@ -71,6 +71,11 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def _parents(path: str) -> list[str]:
+    """The directories ``path`` lies in: "a/b/c" -> ["a/b", "a"]."""
+    return [path.rsplit("/", n)[0] for n in range(1, path.count("/") + 1)]
+
+
 def _raise(error: OSError):
     raise error
 
@@ -332,15 +337,15 @@ class StagedSource(Source):
         over another file), which would overwrite or delete it."""
         listed = self._remote_files()
         finals = collections.Counter(self._final(f.path) for f, _, why in listed if why is None)
-        dirs = {final.rsplit("/", n)[0] for final in finals for n in range(1, final.count("/") + 1)}
+        dirs = {parent for final in finals for parent in _parents(final)}
         out = []
         for f, where, why in listed:
             final = self._final(f.path)
             if why is None:
                 if name_problem(final) or final.split("/")[0] == META:
                     why = f"its copy would be {final!r}, which the staging directory keeps for itself"
-                elif finals[final] > 1 or final in dirs or any(
-                        final.rsplit("/", n)[0] in finals for n in range(1, final.count("/") + 1)):
+                elif (finals[final] > 1 or final in dirs
+                      or any(parent in finals for parent in _parents(final))):
                     why = (f"its copy {final!r} would land on another listed file's (a file and a "
                            "directory of one name, or a .tar unpacked over another file)")
             if why is None:
