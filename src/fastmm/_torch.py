@@ -13,45 +13,21 @@ import importlib
 
 import torch
 
-PRIVATE = (  # "module:name"
-    "torch._utils:ExceptionWrapper",
-    "torch.cuda:_is_in_bad_fork",
-    "torch.utils.data:_DatasetKind",
-    "torch.utils.data._utils:MP_STATUS_CHECK_INTERVAL",
-    "torch.utils.data._utils.collate:collate",
-    "torch.utils.data._utils.collate:collate_tensor_fn",
-    "torch.utils.data._utils.collate:default_collate_fn_map",
-    "torch.utils.data._utils.fetch:_IterableDatasetFetcher",
-    "torch.utils.data._utils.fetch:_MapDatasetFetcher",
-    "torch.utils.data._utils.pin_memory:pin_memory",
-    "torch.utils.data._utils.signal_handling:_remove_worker_pids",
-    "torch.utils.data._utils.signal_handling:_set_SIGCHLD_handler",
-    "torch.utils.data._utils.signal_handling:_set_worker_pids",
-    "torch.utils.data._utils.signal_handling:_set_worker_signal_handlers",
-    "torch.utils.data._utils.worker:WorkerInfo",
-    "torch.utils.data._utils.worker:_IterableDatasetStopIteration",
-    "torch.utils.data._utils.worker:_worker_info",
-    "torch.utils.data._utils:python_exit_status",
-    "torch.utils.data.dataloader:_BaseDataLoaderIter",
-    "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter",
-    "torch.utils.data.dataloader:_SingleProcessDataLoaderIter",
-    "torch.utils.data.dataloader:_T_co",
-    "torch.utils.data.dataloader:_collate_fn_t",
-    "torch.utils.data.dataloader:_sharding_worker_init_fn",
-    "torch.utils.data.dataloader:_worker_init_fn_t",
-    "torch.utils.data.graph_settings:apply_random_seed",
-)
+PRIVATE: list[str] = []  # "module:name" of each private name below, as ``private`` found it
 
 
 def private(name: str):
     """The object ``"module:name"`` names, or an ImportError naming it and this torch."""
     module, _, attr = name.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        found = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ImportError(f"fastmm needs torch's private {module}.{attr}, which torch "
                           f"{torch.__version__} does not have; fastmm/_torch.py names what "
                           "it uses of torch's internals") from e
+    if name not in PRIVATE:
+        PRIVATE.append(name)
+    return found
 
 
 ExceptionWrapper = private("torch._utils:ExceptionWrapper")
