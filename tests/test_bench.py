@@ -712,7 +712,9 @@ def test_webdataset_arm_yields_the_shards_images_as_uint8_batches(tmp_path):
         return out
 
     first = colours(0)
-    assert set(first) == {0, 40, 80, 120, 160, 200}
+    # only the images' colours (never the video's bytes); resampled at random, so most of
+    # the six in 32 draws, not necessarily all (one was missing in about one run in fifty)
+    assert set(first) <= {0, 40, 80, 120, 160, 200} and len(set(first)) >= 4
     assert colours(1) != first
 
 

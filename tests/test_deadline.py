@@ -253,7 +253,7 @@ def test_deadline_from_argument_and_environment(monkeypatch):
 @pytest.mark.filterwarnings("ignore::fastmm.FastmmWarning")  # used without a loader
 def test_expired_samples_travel_in_the_state_dict(corpus):
     data = _dataset(corpus, PilDecoder(), "skip")
-    data.fastmm_sample_watch.expire(3, None)
+    data.fastmm_decode_deadline.expire(3, None)
     again = _dataset(corpus, PilDecoder(), "skip")
     again.load_state_dict(data.state_dict())
     assert again[3] is None and again.skipped == {"deadline": 1}
@@ -290,10 +290,38 @@ def test_sample_error_fields_survive_text_and_pickle(key):
 
 @pytest.mark.timeout(60)
 def test_too_many_expired_samples_is_an_error_not_a_loop(corpus):
-    """Past SampleWatch.CAP remembered samples, one more could not be remembered: tried again,
+    """Past DecodeDeadline.CAP remembered samples, one more could not be remembered: tried again,
     it would stick again, forever; so the loop stops with an error."""
     data = _dataset(corpus, StuckOn(_stuck_keys(corpus)), "skip")
-    data.fastmm_sample_watch.CAP = 1
+    data.fastmm_decode_deadline.CAP = 1
     with pytest.raises(RuntimeError, match="more than 1 samples took over decode_deadline"):
         for _ in fastmm.DataLoader(data, batch_size=4, num_workers=2):
             pass
+
+
+def test_a_dataset_offering_the_deadline_under_its_older_name_gets_it_enforced():
+    """``fastmm_sample_watch`` / ``SampleWatch`` (the names before 0.1's rename) still reach the
+    loader, once each, beside the new ``fastmm_decode_deadline``."""
+    from fastmm import offers
+    from fastmm.dataset import DecodeDeadline, SampleWatch
+
+    class Old(torch.utils.data.Dataset):
+        def __init__(self):
+            self.fastmm_sample_watch = SampleWatch(1.0)
+
+        def __len__(self):
+            return 1
+
+    class Both(Old):
+        def __init__(self):
+            super().__init__()
+            self.fastmm_decode_deadline = self.fastmm_sample_watch
+
+    old, both = Old(), Both()
+    assert SampleWatch is DecodeDeadline
+    assert offers.decode_deadlines(old) == [old.fastmm_sample_watch]
+    assert offers.decode_deadlines(both) == [both.fastmm_decode_deadline]
+    other = Both()
+    found = offers.decode_deadlines(torch.utils.data.ConcatDataset([old, other]))
+    expected = [old.fastmm_sample_watch, other.fastmm_decode_deadline]
+    assert sorted(map(id, found)) == sorted(map(id, expected))

@@ -104,8 +104,8 @@ def test_subscripts_as_a_generic_like_torch():
     assert typing.get_args(alias) == typing.get_args(TorchDataLoader[list[torch.Tensor]])
 
 
-def test_signature_is_torch_plus_torchdatas_argument_and_on_worker_failure():
-    extras = {"snapshot_every_n_steps": 1, "on_worker_failure": "raise"}
+def test_signature_is_torch_plus_torchdatas_argument_on_worker_failure_and_transport():
+    extras = {"snapshot_every_n_steps": 1, "on_worker_failure": "raise", "transport": None}
     for ours, theirs in ((fastmm.DataLoader, TorchDataLoader),
                          (fastmm.DataLoader.__init__, TorchDataLoader.__init__)):
         ours, theirs = inspect.signature(ours), inspect.signature(theirs)
@@ -114,6 +114,21 @@ def test_signature_is_torch_plus_torchdatas_argument_and_on_worker_failure():
             assert extra.kind == extra.KEYWORD_ONLY and extra.default == default
         params = [p for name, p in ours.parameters.items() if name not in extras]
         assert ours.replace(parameters=params) == theirs
+
+
+def test_transport_given_to_the_loader_is_used_instead_of_the_environment(monkeypatch):
+    """``transport=fastmm.TransportConfig(...)`` sets what only FASTMM_* could: with it the
+    variables are not read (a bad one is no error), without it they are (a bad one is)."""
+    monkeypatch.setenv("FASTMM_SLAB_MEMORY", "bogus")
+    with pytest.raises(fastmm.ConfigError, match="FASTMM_SLAB_MEMORY"):
+        next(iter(fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=1)))
+    transport = fastmm.TransportConfig(slab_memory="lean")
+    loader = fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=2,
+                               transport=transport)
+    expected = list(TorchDataLoader(SampleDataset(8), batch_size=2))
+    assert_same(list(loader), expected)
+    with pytest.raises(TypeError, match="transport should be a fastmm.TransportConfig"):
+        fastmm.DataLoader(SampleDataset(8), transport={"slab_memory": "lean"})
 
 
 @pytest.mark.parametrize("argument", ["num_workers", "prefetch_factor"])

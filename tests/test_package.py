@@ -34,7 +34,7 @@ def test_the_loader_side_loads_without_dataset_sources_or_decoders():
 def test_decoding_loads_nothing_of_the_transport():
     loaded = _loaded_after("import fastmm.decode.base")
     assert not loaded & {"fastmm.slabs", "fastmm.collate", "fastmm.loader", "fastmm._workers",
-                         "fastmm._pool", "fastmm.sources"}, sorted(loaded)
+                         "fastmm._processes", "fastmm.sources"}, sorted(loaded)
 
 
 def test_public_names_and_submodules_resolve_on_first_use():

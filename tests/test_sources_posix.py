@@ -1,4 +1,4 @@
-"""PosixSource: directory trees and manifests, exact keys and bytes, bad input, splitting."""
+"""FileSource: directory trees and manifests, exact keys and bytes, bad input, splitting."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from fastmm.sources import PosixSource, Sample, SourceError, open_source
+from fastmm.sources import FileSource, Sample, SourceError, open_source
 
 
 def _write(root, rel, data: bytes):
@@ -38,7 +38,7 @@ def tree(tmp_path):
 
 
 def test_tree_exact_keys_members_and_origin(tree):
-    src = PosixSource(tree)
+    src = FileSource(tree)
     assert src.keys() == ["a/x", "a/y", "b"]
     assert len(src) == 3
     assert src.read(0) == Sample(
@@ -48,6 +48,14 @@ def test_tree_exact_keys_members_and_origin(tree):
     assert src.read(2).members == {"jpg": b"jpeg-b", "json": b'{"b": 1}'}  # extensions lower-cased
     assert list(src.iter_samples()) == [src.read(i) for i in range(3)]
     assert src.skipped == {}
+
+
+def test_the_posix_kind_is_a_file_source_under_its_older_name_too(tree):
+    """``PosixSource`` (its name before it read s3:// too) is ``FileSource``; "posix" opens it."""
+    from fastmm.sources import PosixSource
+
+    assert PosixSource is FileSource
+    assert type(open_source("posix", tree)) is FileSource
 
 
 def test_manifest_order_and_paths(tmp_path, tree):
@@ -80,7 +88,7 @@ def _bad_manifest(tmp_path, tree):
 
 
 def test_manifest_bad_input_skip(tmp_path, tree):
-    src = PosixSource(_bad_manifest(tmp_path, tree), on_error="skip")
+    src = FileSource(_bad_manifest(tmp_path, tree), on_error="skip")
     assert src.keys() == ["ok", "gone", "nocap"]
     assert src.skipped == {"bad_manifest": 1, "unsafe_name": 1}
     assert [p.reason for p in src.problems] == ["bad_manifest", "unsafe_name"]
@@ -93,7 +101,7 @@ def test_manifest_bad_input_skip(tmp_path, tree):
 
 
 def test_manifest_bad_input_raise(tmp_path, tree):
-    src = PosixSource(_bad_manifest(tmp_path, tree))
+    src = FileSource(_bad_manifest(tmp_path, tree))
     assert src.keys() == ["ok", "", "escape", "gone", "nocap"]  # damaged entries raise when touched
     assert src.read(0).members == {"jpg": b"jpeg-b"}
     with pytest.raises(SourceError) as e:
@@ -114,7 +122,7 @@ def test_a_manifest_line_that_is_not_utf8_or_nests_too_deep_is_one_bad_line(tmp_
     good = json.dumps({"key": "ok", "members": {"jpg": "b.jpg"}}).encode()
     manifest.write_bytes(b"\n".join([good, b'{"key": "\xff\xfe", "members": {}}',
                                       b"[" * 100_000, good.replace(b'"ok"', b'"ok2"')]) + b"\n")
-    src = PosixSource(str(manifest), on_error="skip")
+    src = FileSource(str(manifest), on_error="skip")
     assert src.keys() == ["ok", "ok2"]
     assert src.skipped == {"bad_manifest": 2}
     assert [p.origin.rsplit(":", 1)[1] for p in src.problems] == ["2", "3"]
@@ -127,20 +135,20 @@ def test_a_member_that_is_not_a_regular_file_is_not_read(tmp_path):
     _write(root, "a.jpg", b"jpeg-a")
     os.mkfifo(os.path.join(root, "b.jpg"))
     os.symlink("/dev/zero", os.path.join(root, "c.jpg"))
-    src = PosixSource(root, on_error="skip")
+    src = FileSource(root, on_error="skip")
     assert src.read(0).members == {"jpg": b"jpeg-a"}
     assert src.read(1).members == {} and src.read(2).members == {}
     assert src.skipped == {"not_a_file": 2}
     assert [s.key for s in src.iter_samples()] == ["a"]
     with pytest.raises(SourceError, match="not_a_file: b.jpg is not a regular file"):
-        PosixSource(root).read(1)
+        FileSource(root).read(1)
 
 
 def test_required_and_duplicate_members(tmp_path):
     root = str(tmp_path / "t")
     for rel in ("k1.jpg", "k1.txt", "k2.jpg", "k3.jpg", "k3.JPG", "k3.txt"):
         _write(root, rel, rel.encode())
-    src = PosixSource(root, required=("jpg", "txt"), on_error="skip")
+    src = FileSource(root, required=("jpg", "txt"), on_error="skip")
     assert src.keys() == ["k1"]
     assert src.skipped == {"missing_member": 1, "duplicate_member": 1}
     assert {p.key for p in src.problems} == {"k2", "k3"}
@@ -150,7 +158,7 @@ def test_too_large_member(tmp_path):
     root = str(tmp_path / "t")
     _write(root, "big.bin", b"x" * 100)
     _write(root, "ok.bin", b"x" * 10)
-    src = PosixSource(root, max_member_bytes=50, on_error="skip")
+    src = FileSource(root, max_member_bytes=50, on_error="skip")
     assert [s.key for s in src.iter_samples()] == ["ok"]
     assert src.skipped == {"too_large": 1}
 
@@ -160,7 +168,7 @@ def test_round_robin_split_covers_each_sample_once(tmp_path, world_size, num_wor
     root = str(tmp_path / "t")
     for i in range(17):
         _write(root, f"s{i:02d}.bin", bytes([i]))
-    src = PosixSource(root)
+    src = FileSource(root)
     seen = []
     for rank in range(world_size):
         for worker in range(num_workers):
@@ -178,7 +186,7 @@ def test_round_robin_split_covers_each_sample_once(tmp_path, world_size, num_wor
 
 
 def test_pickles_for_workers(tree):
-    src = PosixSource(tree)
+    src = FileSource(tree)
     src.keys()
     clone = pickle.loads(pickle.dumps(src))
     assert [clone.read(i) for i in range(len(clone))] == [src.read(i) for i in range(len(src))]
@@ -193,7 +201,7 @@ def test_running_out_of_file_descriptors_is_not_a_bad_sample(tree, tmp_path):
 
     from fastmm.sources import ShardSource, write_shards
 
-    indexed, fresh = PosixSource(tree, on_error="skip"), PosixSource(tree, on_error="skip")
+    indexed, fresh = FileSource(tree, on_error="skip"), FileSource(tree, on_error="skip")
     indexed.keys()
     shards = ShardSource(write_shards([("s0", {"txt": b"x"})], str(tmp_path / "shards")),
                          on_error="skip")
@@ -222,17 +230,17 @@ def test_a_missing_root_is_an_error_not_an_empty_corpus(tmp_path):
     from fastmm.sources import ShardSource
 
     with pytest.raises(FileNotFoundError, match="no directory or manifest"):
-        PosixSource(str(tmp_path / "typo"))
+        FileSource(str(tmp_path / "typo"))
     with pytest.raises(FileNotFoundError, match="no shard directory or shard"):
         ShardSource(str(tmp_path / "typo.tar"))
 
 
 _UNLISTED_CHECK = """
 import json, sys
-from fastmm.sources import PosixSource, SourceError
+from fastmm.sources import FileSource, SourceError
 root = sys.argv[1]
-skip = PosixSource(root, on_error="skip")
-strict = PosixSource(root)
+skip = FileSource(root, on_error="skip")
+strict = FileSource(root)
 keys = strict.keys()
 try:
     strict.read(keys.index("b/"))

@@ -21,7 +21,7 @@ import fastmm
 from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
 from fastmm.bench.s3server import Fault, LocalS3
 from fastmm.sources import (
-    PosixSource, ShardSource, SourceError, StagedSource, write_file_manifest, write_shards,
+    FileSource, ShardSource, SourceError, StagedSource, write_file_manifest, write_shards,
 )
 from fastmm.sources.s3 import ObjectStoreError, S3Store
 
@@ -164,9 +164,9 @@ def test_a_batch_from_the_store_is_fetched_at_once_and_each_sample_as_alone(s3, 
 
 
 def test_manifest_and_tree_of_objects_read_as_local(s3):
-    local = PosixSource(str(s3.local / "manifest.jsonl"))
-    remote = PosixSource(f"s3://{BUCKET}/manifest.jsonl")
-    tree = PosixSource(f"s3://{BUCKET}/tree/")
+    local = FileSource(str(s3.local / "manifest.jsonl"))
+    remote = FileSource(f"s3://{BUCKET}/manifest.jsonl")
+    tree = FileSource(f"s3://{BUCKET}/tree/")
     assert remote.keys() == local.keys() == [k for k, _ in _samples(9)]
     assert sorted(tree.keys()) == [f"s0/{k}" for k, _ in _samples(9)]
     for i in range(9):
@@ -237,12 +237,12 @@ def test_a_missing_object_is_counted_with_its_key(s3, tmp_path):
              {"key": "gone", "members": {"txt": "tree/s0/nothing.txt"}}]
     body = "".join(json.dumps(x) + "\n" for x in lines).encode()
     s3.client().put_object(Bucket=BUCKET, Key="holes.jsonl", Body=body)
-    skip = PosixSource(f"s3://{BUCKET}/holes.jsonl", on_error="skip")
+    skip = FileSource(f"s3://{BUCKET}/holes.jsonl", on_error="skip")
     assert skip.read(0).members == {"txt": b"caption 1"}
     assert skip.read(1).members == {}
     assert skip.skipped == {"unreadable": 1} and skip.problems[0].key == "gone"
     with pytest.raises(SourceError, match="nothing.txt"):
-        PosixSource(f"s3://{BUCKET}/holes.jsonl").read(1)
+        FileSource(f"s3://{BUCKET}/holes.jsonl").read(1)
 
 
 def test_a_damaged_shard_object_is_counted_and_the_rest_read(s3, tmp_path):
@@ -269,7 +269,7 @@ def test_wrong_credentials_or_no_bucket_fail_at_start(s3, tmp_path, kind):
     def open_(root):
         if kind == "staged":
             return StagedSource(root, str(tmp_path), progress=None)
-        return (ShardSource if kind == "shards" else PosixSource)(root)
+        return (ShardSource if kind == "shards" else FileSource)(root)
 
     with pytest.raises(ObjectStoreError, match="no such bucket"):
         open_("s3://no-such-bucket/shards/")
@@ -293,7 +293,7 @@ def test_a_prefix_with_nothing_under_it_is_a_typo(s3):
     with pytest.raises(FileNotFoundError):
         ShardSource(f"s3://{BUCKET}/shardz/")
     with pytest.raises(FileNotFoundError):
-        PosixSource(f"s3://{BUCKET}/manifest-typo.jsonl")
+        FileSource(f"s3://{BUCKET}/manifest-typo.jsonl")
 
 
 @pytest.mark.slow
@@ -449,7 +449,7 @@ def test_hostile_keys_read_in_place_never_reach_a_path_or_another_bucket(s3, tmp
     url, hostile, victim = _hostile_prefix(s3, tmp_path)
     other = Fault(path="/other/", times=1000, status=403, code="AccessDenied")
     s3.faults.append(other)
-    src = PosixSource(url, on_error=on_error)
+    src = FileSource(url, on_error=on_error)
     if on_error == "skip":
         assert src.keys() == ["good"] and src.read(0).members == {"jpg": b"good"}
         assert src.skipped == {"unsafe_name": len(hostile)}

@@ -21,7 +21,7 @@ from fastmm.config import ConfigError, SourceConfig
 from fastmm.sources.base import ProgressLines
 from fastmm.sources.staged import corpus_dir_name
 from fastmm.sources import (
-    PosixSource,
+    FileSource,
     ShardSource,
     SourceError,
     StagedSource,
@@ -67,8 +67,8 @@ def test_stage_before_then_reuse(tmp_path):
     remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
     files = _tree(remote)
     src = StagedSource(remote, stage)
-    assert _samples(src) == _samples(PosixSource(remote))
-    assert [(s.key, s.members) for s in src.iter_samples()] == _samples(PosixSource(remote))
+    assert _samples(src) == _samples(FileSource(remote))
+    assert [(s.key, s.members) for s in src.iter_samples()] == _samples(FileSource(remote))
     cost = src.staging_cost
     assert (cost["files"], cost["bytes"]) == (len(files), sum(map(len, files.values())))
     assert cost["seconds"] > 0 and cost["bytes_per_s"] == pytest.approx(
@@ -111,10 +111,10 @@ def test_stage_on_touch(tmp_path):
     remote, stage = str(tmp_path / "remote"), str(tmp_path / "stage")
     _tree(remote)
     src = StagedSource(remote, stage, mode="on_touch")
-    assert src.keys() == PosixSource(remote).keys() and src.staging_cost["files"] == 0
+    assert src.keys() == FileSource(remote).keys() and src.staging_cost["files"] == 0
     assert not os.path.exists(os.path.join(_copy_of(stage, remote), "part0"))
     sample = src.read(2)
-    assert sample.members == PosixSource(remote).read(2).members
+    assert sample.members == FileSource(remote).read(2).members
     assert src.staging_cost["files"] == 2
     assert sorted(os.listdir(os.path.join(_copy_of(stage, remote), "part0"))) == [
         f"{sample.key.split('/')[1]}.{e}" for e in ("jpg", "txt")
@@ -124,7 +124,7 @@ def test_stage_on_touch(tmp_path):
     clone = pickle.loads(
         pickle.dumps(src)
     )  # as a worker process receives it: still stages on touch
-    assert clone.read(3).members == PosixSource(remote).read(3).members
+    assert clone.read(3).members == FileSource(remote).read(3).members
     assert clone.staging_cost["files"] == 4 and os.path.exists(
         os.path.join(_copy_of(stage, remote), clone.keys()[3] + ".jpg")
     )
@@ -528,7 +528,7 @@ def test_config_precedence_and_bad_values(tmp_path, monkeypatch):
     monkeypatch.delenv("FASTMM_SOURCE", raising=False)
     monkeypatch.delenv("FASTMM_STAGE_DIR", raising=False)
     assert SourceConfig.from_env() == SourceConfig("posix", None)
-    assert isinstance(open_source(None, remote), PosixSource)  # the default
+    assert isinstance(open_source(None, remote), FileSource)  # the default
     monkeypatch.setenv("FASTMM_SOURCE", "staged")
     monkeypatch.setenv("FASTMM_STAGE_DIR", str(tmp_path / "env_stage"))
     src = open_source(None, remote)  # both from the environment
@@ -536,7 +536,7 @@ def test_config_precedence_and_bad_values(tmp_path, monkeypatch):
     assert open_source(None, remote, stage_dir=str(tmp_path / "arg_stage")).stage_dir == _copy_of(
         tmp_path / "arg_stage", remote
     )
-    assert isinstance(open_source("posix", remote), PosixSource)  # an argument beats the variable
+    assert isinstance(open_source("posix", remote), FileSource)  # an argument beats the variable
     monkeypatch.setenv("FASTMM_SOURCE", "s3")
     with pytest.raises(ConfigError, match=r"FASTMM_SOURCE='s3'.*\('posix', 'staged', 'shards'\)"):
         open_source(None, remote)
@@ -565,7 +565,7 @@ def test_stage_posix_manifest_and_subtree_entry(tmp_path, mode):
     assert src.read(0).members == {"jpg": bytes([3]) * 1003, "txt": b"caption 0"}
     assert src.staging_cost["files"] == (13 if mode == "before" else 3)
     sub = StagedSource(remote, str(tmp_path / f"sub-{mode}"), entry="part1", mode=mode)
-    assert _samples(sub) == _samples(PosixSource(os.path.join(remote, "part1")))
+    assert _samples(sub) == _samples(FileSource(os.path.join(remote, "part1")))
 
 
 @pytest.mark.parametrize("mode", ["before", "on_touch"])
@@ -750,9 +750,9 @@ def test_a_manifest_over_the_cap_is_refused_whole(tmp_path, monkeypatch):
     size = min(os.path.getsize(remote / n) for n in (".fastmm-files.jsonl", "m.jsonl"))
     monkeypatch.setattr(base, "MAX_MANIFEST_BYTES", size - 1)
     for make in (lambda: StagedSource(str(remote), str(tmp_path / "stage"), progress=None),
-                 lambda: PosixSource(str(remote / "m.jsonl"), on_error="skip").keys()):
+                 lambda: FileSource(str(remote / "m.jsonl"), on_error="skip").keys()):
         with pytest.raises(SourceError) as e:
             make()
         assert e.value.reason == "too_large" and "MAX_MANIFEST_BYTES" in str(e.value)
     monkeypatch.setattr(base, "MAX_MANIFEST_BYTES", 1 << 20)
-    assert len(PosixSource(str(remote / "m.jsonl")).keys()) == 50
+    assert len(FileSource(str(remote / "m.jsonl")).keys()) == 50

@@ -1,4 +1,4 @@
-"""Samples streamed into their batch as they are made (collate.py, _streaming.py): the batches
+"""Samples streamed into their batch as they are made (collate.py, _batch_fill.py): the batches
 are torch's, whatever the samples hold, and a worker holds one sample's memory, not a batch's."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 
 import fastmm
 from fastmm.telemetry import Telemetry
-from fastmm import _streaming, collate
+from fastmm import _batch_fill, collate
 from fastmm.config import TransportConfig
 from fastmm.slabs import SlabPool, SlabWriter
 from _datasets import Point
@@ -92,10 +92,16 @@ def _same(a, b):
 
 
 def _outcome(loader):
+    """The batches, or the error's type and last line; the workers ended either way (an
+    iterator left in the error's traceback would be collected later, in another test, where
+    torch's waits 5 s per worker to join them)."""
+    it = iter(loader)
     try:
-        return [batch for batch in loader], None
+        return list(it), None
     except Exception as exc:  # noqa: BLE001 - the error itself is compared
         return None, (type(exc), str(exc).splitlines()[-1] if str(exc) else "")
+    finally:
+        getattr(it, "_shutdown_workers", lambda: None)()
 
 
 @pytest.mark.parametrize("kind", ["tensor", "pair", "dict", "ordered", "namedtuple", "nested",
@@ -180,8 +186,8 @@ def writer(transport):
 def _streamed_batch(samples, keep, writer):
     """Samples made one by one into a batch of len(samples); ``keep`` picks (and orders) the
     ones the producer hands to collation."""
-    with collate.streaming(len(samples), writer) as batch:
-        with _streaming.sample_by_sample() as put:
+    with collate.filling(len(samples), writer) as batch:
+        with _batch_fill.sample_by_sample() as put:
             placed = [put(sample, position) for position, sample in enumerate(samples)]
         assert all(p is not s for p, s in zip(placed, samples))  # every one streamed
         return collate.worker_collate_fn(default_collate, writer)(keep(placed)), batch
@@ -203,9 +209,9 @@ def test_collation_takes_streamed_samples_in_any_order(writer, keep):
 def test_a_producer_inside_another_leaves_the_slots_to_it(writer):
     """A dataset whose __getitem__ calls another's sample-by-sample __getitems__: the inner
     one's samples come back unchanged, so the outer producer's slots are never overwritten."""
-    with collate.streaming(2, writer):
-        with _streaming.sample_by_sample() as outer:
-            with _streaming.sample_by_sample() as inner:
+    with collate.filling(2, writer):
+        with _batch_fill.sample_by_sample() as outer:
+            with _batch_fill.sample_by_sample() as inner:
                 inner_sample = _image(7)
                 assert inner(inner_sample, 0) is inner_sample
             first = outer(_image(1), 0)
@@ -216,5 +222,5 @@ def test_a_producer_inside_another_leaves_the_slots_to_it(writer):
 
 def test_nothing_streams_outside_a_worker_batch():
     sample = _image(0)
-    with _streaming.sample_by_sample() as put:
+    with _batch_fill.sample_by_sample() as put:
         assert put(sample, 0) is sample

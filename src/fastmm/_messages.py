@@ -30,7 +30,7 @@ class Resume:
     """A new epoch on persistent workers."""
 
     shared_seed: int  # an IterDataPipe's shared seed for it
-    epoch: int | None  # the main process's hooks.epoch, for this worker's copy (else None)
+    epoch: int | None  # the main process's offers.epoch, for this worker's copy (else None)
 
 
 @dataclass(frozen=True)
@@ -47,23 +47,24 @@ class Result(NamedTuple):
     """A worker's answer to a task."""
 
     send_idx: int
-    status: Literal["data", "error", "end"]  # error: an ExceptionWrapper; end: a stream ran out
+    # error: an ExceptionWrapper; end: the worker's IterableDataset ran out
+    status: Literal["data", "error", "end"]
     payload: object  # a Packed batch (collate.pack), or None at "end"
     used: list  # the slots of the slabs the payload lies in
     new: list  # NewSlab: slabs created for it (their fds: on the fd socket)
     rng: object  # the worker's RNG states after the task if it changed them, else None
-    stream: object  # an IterableDataset's resume.stream_state() after the task (resume.py)
-    counts: object  # its row of the dataset's skip counts (hooks.py) if the task changed it
+    iter_state: object  # an IterableDataset's resume.iter_state() after the task (resume.py)
+    counts: object  # its row of the dataset's skip counts (offers.py) if the task changed it
 
 
 class Restore(NamedTuple):
     """Where a worker begins: the RNG states to set (None: seeded as torch seeds a new
-    worker), IterableDataset samples to pull and drop, and the stream state to go on from
+    worker), IterableDataset samples to pull and drop, and the iterator state to go on from
     (resume.py)."""
 
     rng: object = None
     skip: int = 0
-    stream: object = None
+    iter_state: object = None
 
 
 @dataclass(frozen=True, kw_only=True)

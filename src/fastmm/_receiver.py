@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from . import _torch, collate
 from ._messages import Resumed, Result
-from ._pool import STATUS_CHECK_INTERVAL_S, WorkerPool
+from ._processes import STATUS_CHECK_INTERVAL_S, WorkerProcesses
 from ._respawn import Respawner
 from ._tasks import Sent, TaskTable, WorkerRecord
 from .slabs import SlabPool
@@ -72,12 +72,12 @@ class Receiver:
     loop to warn of them.
 
     Args:
-        pool: the worker processes and their channels.
+        workers: the worker processes and their channels.
         slab_pool: maps the slabs workers create and lends each batch its slabs.
         table: the epoch's tasks; ``table.active`` says which workers owe results.
         records: what is kept of each worker (WorkerRecord), by worker id.
         respawner: replaces dead and stuck workers.
-        watches: the dataset's decode-deadline watches (hooks.sample_watches).
+        deadlines: the dataset's decode deadlines (offers.decode_deadlines).
         respawn: on_worker_failure == "respawn".
         timeout: the loader's ``timeout`` (0: wait without end).
         counted: whether the dataset keeps skip counts (tasks then carry them).
@@ -85,12 +85,12 @@ class Receiver:
         prefetch_factor: the loader's, for the shared-memory check.
     """
 
-    def __init__(self, pool: WorkerPool, slab_pool: SlabPool, table: TaskTable,
-                 records: list[WorkerRecord], respawner: Respawner, *, watches: list,
+    def __init__(self, workers: WorkerProcesses, slab_pool: SlabPool, table: TaskTable,
+                 records: list[WorkerRecord], respawner: Respawner, *, deadlines: list,
                  respawn: bool, timeout: float, counted: bool, shm_dir: str,
                  prefetch_factor: int):
-        self.pool, self.slab_pool, self.table, self.records = pool, slab_pool, table, records
-        self.respawner, self.watches, self.respawn = respawner, watches, respawn
+        self.workers, self.slab_pool, self.table, self.records = workers, slab_pool, table, records
+        self.respawner, self.deadlines, self.respawn = respawner, deadlines, respawn
         self.timeout, self.counted, self.shm_dir = timeout, counted, shm_dir
         self.prefetch_factor = prefetch_factor
         self.shm_checked = 0  # the largest pool size checked against free shared memory
@@ -114,11 +114,11 @@ class Receiver:
     def poll(self, timeout: float, shared_seed: int) -> Arrived | WorkerResumed | Replaced | None:
         """One event within ``timeout`` s, else None."""
         self.slab_pool.drain()
-        if self.watches:
-            replaced = self.respawner.replace_stuck(self.watches, self.table, shared_seed)
+        if self.deadlines:
+            replaced = self.respawner.replace_stuck(self.deadlines, self.table, shared_seed)
             if replaced:
                 return Replaced(replaced)
-            deadline = min(watch.deadline for watch in self.watches)
+            deadline = min(deadline.seconds for deadline in self.deadlines)
             timeout = min(timeout, max(0.05, min(1.0, deadline / 4)))
         due = self.table.tasks.get(self.table.rcvd_idx)
         heard = self._wait(timeout, due.worker_id if due is not None and due.pending else None)
@@ -130,9 +130,9 @@ class Receiver:
             return Replaced(heard)
         if heard:
             for worker_id in heard:
-                self.pool.stop(worker_id)
+                self.workers.stop(worker_id)
                 self.table.active[worker_id] = False
-            raise self.pool.failure(heard)
+            raise self.workers.failure(heard)
         return None
 
     def _wait(self, timeout: float, due: int | None) -> Heard | list[int] | None:
@@ -140,7 +140,8 @@ class Receiver:
         send nothing more), or None after ``timeout``. ``due``: the worker whose result is
         handed out next, read at once if it is there (10 us; a wait on every worker builds a
         selector). Inactive workers (ended or told to stop) owe no results, as in torch."""
-        active, conns, processes = self.table.active, self.pool.result_conns, self.pool.processes
+        active, conns = self.table.active, self.workers.result_conns
+        processes = self.workers.processes
         if due is not None and active[due] and _readable(conns[due]):
             try:
                 return Heard(due, conns[due].recv())
@@ -175,12 +176,12 @@ class Receiver:
             task.counts = record.counts
         if message.rng is not None:
             task.rng = record.rng = message.rng
-        if message.stream is not None and message.status == "end":
-            record.end_stream = record.stream = message.stream
-        elif message.stream is not None:
-            task.stream = record.stream = message.stream
+        if message.iter_state is not None and message.status == "end":
+            record.end_iter_state = record.iter_state = message.iter_state
+        elif message.iter_state is not None:
+            task.iter_state = record.iter_state = message.iter_state
         if message.new:
-            self.slab_pool.receive(self.pool.channels[worker_id], message.new, worker_id)
+            self.slab_pool.receive(self.workers.channels[worker_id], message.new, worker_id)
             self._check_shared_memory(max(slab.capacity for slab in message.new))
         views = self.slab_pool.lend(message.used)
         if message.status == "end":

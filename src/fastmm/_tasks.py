@@ -19,7 +19,7 @@ class Sent:
     position: int | None  # its batch's place in the epoch's order (resume.py)
     data: object = _PENDING  # its result, when it came before its turn
     rng: object = None  # the worker's RNG states after it
-    stream: object = None  # the worker's stream state after it
+    iter_state: object = None  # the worker's iterator state after it
     counts: object = None  # the worker's skip counts after it
     deaths: int = 0  # workers that died while it was theirs
 
@@ -34,9 +34,9 @@ class WorkerRecord:
     starts from (resume.py), and its part of the epoch so far."""
 
     rng: object = None  # its RNG states after that batch
-    stream: object = None  # its IterableDataset's stream state then (a respawn goes on from it)
-    end_stream: object = None  # its stream state as its epoch ran out
-    counts: object = None  # its row of the dataset's skip counts then (hooks.py)
+    iter_state: object = None  # its IterableDataset's iterator state then (a respawn starts there)
+    end_iter_state: object = None  # its iterator state as its epoch ran out
+    counts: object = None  # its row of the dataset's skip counts then (offers.py)
     epoch_counts: object = None  # that row as the epoch began
     received: int = 0  # batches received from it this epoch
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import IterDataPipe
 
-from . import _streaming, _torch, collate, hooks, resume
+from . import _batch_fill, _torch, collate, offers, resume
 from ._messages import Restore, Result, Resume, Resumed, Stop, Task, WorkerSpec
 from ._torch import DatasetKind, ExceptionWrapper
 from .slabs import IDLE_WORKER_S, SlabWriter
@@ -107,11 +107,11 @@ def _exit_when_orphaned(start_method: str, main_pid: int | None) -> None:
 
     Linux sends SIGKILL the moment the worker's parent thread ends (PR_SET_PDEATHSIG), with no
     help from this process. The loader starts its workers from a thread that lives as long as
-    its process (``_pool.start_on_a_lasting_thread``), so under fork and spawn that parent
+    its process (``_processes.start_on_a_lasting_thread``), so under fork and spawn that parent
     is the loader's process. Under forkserver the parent is the forkserver, which ends once no
     process holds its "alive" pipe, and each of its children inherits one: this worker closes
     its own, so the forkserver ends with the loader's process, and this worker with it. A
-    daemon thread also watches the loader's process wherever the parent is another (it needs
+    daemon thread also waits for the end of the loader's process wherever the parent is another (it needs
     the GIL), or where the signal cannot be set (no prctl)."""
     parent = os.getppid()
     if start_method == "forkserver":
@@ -119,26 +119,26 @@ def _exit_when_orphaned(start_method: str, main_pid: int | None) -> None:
     if sys.platform.startswith("linux"):
         try:
             signalled = ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-        except (OSError, AttributeError):  # no prctl in this libc: the thread below watches
+        except (OSError, AttributeError):  # no prctl in this libc: the thread below waits
             signalled = False
         if signalled:
             if os.getppid() != parent:  # it died before the signal was set
                 os._exit(1)
             if main_pid in (None, parent):
                 return
-    watched = parent if main_pid is None else main_pid
+    loader_pid = parent if main_pid is None else main_pid
 
-    def watch():
+    def exit_with_it():
         try:
-            pidfd = os.pidfd_open(watched)  # readable the moment that process ends
+            pidfd = os.pidfd_open(loader_pid)  # readable the moment that process ends
         except (AttributeError, OSError):
-            while _alive(watched) and (main_pid is not None or os.getppid() == parent):
+            while _alive(loader_pid) and (main_pid is not None or os.getppid() == parent):
                 time.sleep(PARENT_CHECK_INTERVAL_S)
         else:
             select.select([pidfd], [], [])
         os._exit(1)
 
-    threading.Thread(target=watch, name="fastmm-orphan-watch", daemon=True).start()
+    threading.Thread(target=exit_with_it, name="fastmm-orphan-check", daemon=True).start()
 
 
 def _let_the_forkserver_end() -> None:
@@ -198,7 +198,7 @@ class _Outcome(NamedTuple):
 
 class _Worker:
     """One worker's state between tasks: its dataset and fetcher, its slab writer, and what
-    it last sent of its RNG, stream and skip-count states."""
+    it last sent of its RNG, iterator and skip-count states."""
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
@@ -222,8 +222,8 @@ class _Worker:
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset))
         self.writer = SlabWriter(spec.fd_sock, spec.transport)
         self.collate = collate.worker_collate_fn(spec.collate_fn, self.writer)
-        # default-collated batches stream their samples into the slab as they are made
-        self.streams = spec.auto_collation and collate.is_default(spec.collate_fn)
+        # default-collated batches get their samples copied into the slab as they are made
+        self.fills = spec.auto_collation and collate.is_default(spec.collate_fn)
         self.init_error = None
         self.fetcher = None
         try:
@@ -232,9 +232,9 @@ class _Worker:
             self.fetcher = _restore(self.make_fetcher, self.dataset, spec.restore)
         except Exception:
             self.init_error = self.error()
-        self.rng_watch = resume.Watch(resume.capture_rng)
-        counters = hooks.skip_counts(self.dataset)
-        self.counts_watch = resume.Watch(
+        self.rng_changes = resume.SentOnChange(resume.capture_rng)
+        counters = offers.skip_counts(self.dataset)
+        self.counts_changes = resume.SentOnChange(
             lambda _: None if counters is None else counters.row(worker_id))
         self.ended = False  # its IterableDataset ran out this epoch
 
@@ -283,14 +283,14 @@ class _Worker:
             outcome, self.init_error = _Outcome("error", self.init_error), None
         else:
             index = task.index
-            size = len(index) if self.streams and hasattr(index, "__len__") else None
-            with collate.streaming(size, self.writer):
+            size = len(index) if self.fills and hasattr(index, "__len__") else None
+            with collate.filling(size, self.writer):
                 outcome = self.fetch(index)
             self.ended = outcome.status == "end"
-        stream = None
+        iter_state = None
         if self.spec.dataset_kind == DatasetKind.Iterable and outcome.status != "error":
             # what a resumed or replacement worker goes on from (resume.py)
-            stream = resume.stream_state(self.dataset, self.fetcher, ran_out=self.ended,
+            iter_state = resume.iter_state(self.dataset, self.fetcher, ran_out=self.ended,
                                          sent=True)
         status = outcome.status
         try:
@@ -301,8 +301,8 @@ class _Worker:
         used, new = self.writer.finish()
         # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
         self.spec.result_conn.send_bytes(pickle.dumps(
-            Result(task.send_idx, status, payload, used, new, self.rng_watch.changed(),
-                   stream, self.counts_watch.changed()), pickle.DEFAULT_PROTOCOL))
+            Result(task.send_idx, status, payload, used, new, self.rng_changes.changed(),
+                   iter_state, self.counts_changes.changed()), pickle.DEFAULT_PROTOCOL))
 
     def fetch(self, index) -> _Outcome:
         try:
@@ -317,12 +317,12 @@ class _Worker:
 
 class _MapFetcher(_torch.MapDatasetFetcher):
     """torch's fetcher for map-style datasets, handing each sample to the batch as it is made
-    (_streaming.py) where the dataset has no ``__getitems__``."""
+    (_batch_fill.py) where the dataset has no ``__getitems__``."""
 
     def fetch(self, possibly_batched_index):
         if not self.auto_collation or getattr(self.dataset, "__getitems__", None):
             return super().fetch(possibly_batched_index)
-        with _streaming.sample_by_sample() as put:
+        with _batch_fill.sample_by_sample() as put:
             data = [put(self.dataset[idx], i) for i, idx in enumerate(possibly_batched_index)]
         return self.collate_fn(data)
 
@@ -334,7 +334,7 @@ class _IterableFetcher(_torch.IterableDatasetFetcher):
         if self.ended or not self.auto_collation:
             return super().fetch(possibly_batched_index)
         data = []
-        with _streaming.sample_by_sample() as put:
+        with _batch_fill.sample_by_sample() as put:
             for position, _ in enumerate(possibly_batched_index):
                 try:
                     data.append(put(next(self.dataset_iter), position))
@@ -347,10 +347,10 @@ class _IterableFetcher(_torch.IterableDatasetFetcher):
 
 
 def _restore(make_fetcher, dataset, restore: Restore):
-    """A restored worker's fetcher: its IterableDataset goes on from the stream state it had
+    """A restored worker's fetcher: its IterableDataset goes on from the iterator state it had
     after its last batch handed out, or pulls and drops the samples it had handed out (which
     brings a deterministic iterator to the same place); then the RNG states it had then."""
-    fetcher = resume.resumed_fetcher(make_fetcher, dataset, restore.stream)
+    fetcher = resume.resumed_fetcher(make_fetcher, dataset, restore.iter_state)
     for _ in range(restore.skip):
         try:
             next(fetcher.dataset_iter)

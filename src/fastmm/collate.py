@@ -3,7 +3,7 @@
 ``default_collate`` runs as torch's own ``collate`` with one change: a batched tensor is
 allocated in the worker's slab instead of a new shared-memory segment, and each sample is
 copied straight into its slot, as soon as the sample is made where the worker fetches sample
-by sample (see _streaming.py). Whatever a custom ``collate_fn`` returns travels too: every
+by sample (see _batch_fill.py). Whatever a custom ``collate_fn`` returns travels too: every
 plain CPU tensor (and NumPy array over 16 KiB) in it is copied into the slab (or inlined, if
 tiny) by the pickler, and the main process gets tensors (arrays) that view the slab without a
 copy.
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from . import _streaming, _torch
+from . import _batch_fill, _torch
 from ._messages import Inline, InSlab, Packed, TensorSpec
 from ._layout import copy_into, interleaved_bytes
 from .slabs import ALIGN
@@ -51,10 +51,10 @@ def _collate_tensor_into_slab(writer, batch, *, collate_fn_map=None):
     elem = batch[0]
     if not _plain_cpu_tensor(elem):
         return _torch.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    batch_in_progress = _streaming.current()
-    streamed = batch_in_progress.claim(batch) if batch_in_progress is not None else None
-    if streamed is not None:
-        return streamed
+    batch_in_progress = _batch_fill.current()
+    filled = batch_in_progress.claim(batch) if batch_in_progress is not None else None
+    if filled is not None:
+        return filled
     shape = (len(batch), *elem.shape)
     numel = math.prod(shape)
     nbytes = numel * elem.element_size()
@@ -73,14 +73,14 @@ def _collate_tensor_into_slab(writer, batch, *, collate_fn_map=None):
     return torch.stack(batch, 0, out=out)
 
 
-class _StreamedBatch:
+class _FilledBatch:
     """A default-collated batch being fetched: each sample's tensors are copied into their slot
     of the batch the moment the sample is made, and the sample keeps a view of the slot instead.
 
     The sample's own memory is then free for the next one, still in the core's cache, where
     torch's fetcher holds a whole batch of samples before stacking them: the worker copies
     from cache rather than memory, and holds one sample's memory, not a batch's. Collation
-    then finds the tensors in place (``claim``); whatever did not stream (another shape or
+    then finds the tensors in place (``claim``); whatever was not copied early (another shape or
     dtype, a sample made elsewhere) is copied then, as before."""
 
     def __init__(self, size: int, writer):
@@ -90,25 +90,25 @@ class _StreamedBatch:
         self._slots: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._taken: set[tuple[int, int]] = set()  # (id(out), place)
         self.copy_spans: list[int] = []  # start and end (ns) of each sample's copies, flat
-        self._none_stream = False
+        self._fills_nothing = False
 
     def put(self, sample, position: int):
-        """``sample`` with each of its tensors that streams replaced by a view of its slot."""
-        if sample is None or not 0 <= position < self.size or self._none_stream:
+        """``sample`` with each of its tensors that fits replaced by a view of its slot."""
+        if sample is None or not 0 <= position < self.size or self._fills_nothing:
             return sample
         start = time.monotonic_ns()
         placed = self._place(sample, (), position)
         if placed is not sample:
             self.copy_spans += (start, time.monotonic_ns())
-        # the first sample decides each leaf: when none of its tensors streams, none will
-        self._none_stream = all(out is None for out in self._outs.values())
+        # the first sample decides each leaf: when none of its tensors fits, none will
+        self._fills_nothing = all(out is None for out in self._outs.values())
         return placed
 
     def _place(self, x, path: tuple, position: int):
-        """``x`` with its tensors streamed; containers default_collate descends into are
-        rebuilt as their own type where a tensor in them was replaced."""
+        """``x`` with its tensors copied into the batch; containers default_collate descends
+        into are rebuilt as their own type where a tensor in them was replaced."""
         if type(x) is torch.Tensor:
-            return self._stream(x, path, position)
+            return self._fill(x, path, position)
         if isinstance(x, dict):
             placed = {k: self._place(v, (*path, k), position) for k, v in x.items()}
             if all(placed[k] is v for k, v in x.items()):
@@ -126,7 +126,7 @@ class _StreamedBatch:
             return type(x)(*placed) if hasattr(x, "_fields") else type(x)(placed)
         return x
 
-    def _stream(self, t: torch.Tensor, path: tuple, position: int) -> torch.Tensor:
+    def _fill(self, t: torch.Tensor, path: tuple, position: int) -> torch.Tensor:
         out = self._outs.get(path, False)
         if out is False:  # the first sample with this leaf sets the batch's shape and dtype
             out = None
@@ -152,7 +152,7 @@ class _StreamedBatch:
 
     def claim(self, batch: list) -> torch.Tensor | None:
         """The batch of these tensors made in place, from the slots that hold them, or None
-        (nothing of it streamed, or its order cannot be compacted in place)."""
+        (nothing of it copied early, or its order cannot be compacted in place)."""
         slots = [self._slots.get(id(t)) for t in batch]
         outs = {id(entry[0]) for entry in slots if entry is not None}
         if len(outs) != 1:
@@ -183,11 +183,11 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def streaming(size: int | None, writer):
-    """``with streaming(size, writer):`` around fetching and collating one batch of ``size``
+def filling(size: int | None, writer):
+    """``with filling(size, writer):`` around fetching and collating one batch of ``size``
     samples in a worker into ``writer``'s slabs (None: not default-collated, or not batched):
-    producers inside may stream."""
-    return _streaming.fetching(_StreamedBatch(size, writer) if size else None)
+    producers inside may copy their samples in as they make them."""
+    return _batch_fill.fetching(_FilledBatch(size, writer) if size else None)
 
 
 def is_default(collate_fn) -> bool:

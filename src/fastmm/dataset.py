@@ -33,7 +33,7 @@ import torch.utils.data
 
 from . import config
 from ._shared import SharedArray, row_of, this_worker
-from ._streaming import sample_by_sample
+from ._batch_fill import sample_by_sample
 from .decode import ClipSpec, DecodeError, DecodeLimits, ImageDecoder, VideoDecoder, get_decoder
 from .decode.base import CropPlan
 from .errors import FastmmWarning
@@ -195,19 +195,19 @@ class _Counters(SharedArray):
             self._as_handed_out = None
 
 
-class SampleWatch(SharedArray):
+class DecodeDeadline(SharedArray):
     """The decode deadline: which sample each worker process is on and since when, so that
-    fastmm.DataLoader can replace a worker stuck on one past ``deadline`` seconds (a decoder
+    fastmm.DataLoader can replace a worker stuck on one past ``seconds`` (a decoder
     stuck in C cannot be interrupted from inside its process); and the samples that were, so
     that no worker tries them again (they count as "deadline", by the bad-input policy)."""
 
     ROWS = 1025  # the main process, then a row per worker (shared beyond 1024 workers)
     CAP = 4096  # samples remembered as expired
 
-    def __init__(self, deadline: float):
-        # [since per row | item per row | watched flag | expired count | expired items]
+    def __init__(self, seconds: float):
+        # [since per row | item per row | enforced flag | expired count | expired items]
         super().__init__("d", 2 * self.ROWS + 2 + self.CAP)
-        self.deadline = deadline
+        self.seconds = seconds
         self._known = (0, frozenset())
 
     def _row(self, worker_id: int | None) -> int:
@@ -226,7 +226,7 @@ class SampleWatch(SharedArray):
         now, out = time.monotonic(), []
         for w in worker_ids:
             since = self._array[self._row(w)]
-            if since and now - since > self.deadline:
+            if since and now - since > self.seconds:
                 out.append((w, int(self._array[self.ROWS + self._row(w)])))
         return out
 
@@ -249,14 +249,16 @@ class SampleWatch(SharedArray):
         return self._known[1]
 
     @property
-    def watched(self) -> bool:
-        """Set by a fastmm.DataLoader whose worker processes it watches."""
+    def enforced(self) -> bool:
+        """Set by a fastmm.DataLoader that replaces the workers stuck past it."""
         return bool(self._array[2 * self.ROWS])
 
-    @watched.setter
-    def watched(self, value: bool) -> None:
+    @enforced.setter
+    def enforced(self, value: bool) -> None:
         self._array[2 * self.ROWS] = float(value)
 
+
+SampleWatch = DecodeDeadline  # its older name (docs/loader.md)
 
 class MultimodalDataset(torch.utils.data.Dataset):
     """Map-style dataset over a source of image and video samples.
@@ -351,8 +353,8 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self.problems: deque[Problem] = deque(maxlen=keep_problems)  # this process's latest
         self.fastmm_skip_counts = _Counters()
         deadline = config.decode_deadline(decode_deadline)
-        self.fastmm_sample_watch = SampleWatch(deadline) if deadline else None
-        self._said_unwatched = False  # warned that no loader enforces the deadline here
+        self.fastmm_decode_deadline = DecodeDeadline(deadline) if deadline else None
+        self._said_unenforced = False  # warned that no loader enforces the deadline here
         self._items: list[int] | None = None
         self._ahead: dict = {}  # source index -> a read in flight (__getitems__)
 
@@ -404,15 +406,17 @@ class MultimodalDataset(torch.utils.data.Dataset):
         skipped or replaced the same way every time, so it needs nothing more."""
         skipped, replaced = self.fastmm_skip_counts.totals()
         state = {"skipped": skipped, "replaced": replaced}
-        if self.fastmm_sample_watch is not None:  # so a resumed run does not get stuck on them again
-            state["expired"] = sorted(self.fastmm_sample_watch.expired())
+        deadline = self.fastmm_decode_deadline
+        if deadline is not None:  # so a resumed run does not get stuck on them again
+            state["expired"] = sorted(deadline.expired())
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.fastmm_skip_counts.set_totals(state["skipped"], state["replaced"])
+        deadline = self.fastmm_decode_deadline
         for item in state.get("expired", ()):
-            if self.fastmm_sample_watch is not None and item not in self.fastmm_sample_watch.expired():
-                self.fastmm_sample_watch.expire(item, None)
+            if deadline is not None and item not in deadline.expired():
+                deadline.expire(item, None)
 
     # -- items ---------------------------------------------------------------------------------
 
@@ -456,7 +460,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         for attempt in range(self.max_replace + 1):
             item = (index + attempt) % n
             try:
-                return self._load_watched(item)
+                return self._load_within_deadline(item)
             except (SourceError, DecodeError) as e:
                 if self.on_error == "raise":
                     raise
@@ -469,25 +473,25 @@ class MultimodalDataset(torch.utils.data.Dataset):
             f"counts so far: {self.skipped}"
         )
 
-    def _load_watched(self, item: int) -> dict:
-        watch = self.fastmm_sample_watch
-        if watch is None:
+    def _load_within_deadline(self, item: int) -> dict:
+        deadline = self.fastmm_decode_deadline
+        if deadline is None:
             return self._load(self._items[item])
-        if item in watch.expired():
+        if item in deadline.expired():
             raise DecodeError("deadline", self.source.keys()[self._items[item]],
-                              f"took over decode_deadline={watch.deadline:g}s before; its "
+                              f"took over decode_deadline={deadline.seconds:g}s before; its "
                               f"worker was replaced and the sample is not tried again")
-        if not watch.watched and not self._said_unwatched:
-            self._said_unwatched = True
+        if not deadline.enforced and not self._said_unenforced:
+            self._said_unenforced = True
             warnings.warn("fastmm: decode_deadline is enforced by fastmm.DataLoader with "
                           "num_workers > 0 (it replaces a stuck worker) over this dataset or "
                           "a wrapper that keeps it as `.dataset` or in `.datasets`; here a "
                           "stuck sample would block", FastmmWarning, stacklevel=5)
-        watch.begin(item)
+        deadline.begin(item)
         try:
             return self._load(self._items[item])
         finally:
-            watch.end()
+            deadline.end()
 
     def _count(self, error: SourceError | DecodeError, replaced: bool) -> None:
         origin = getattr(error, "origin", "")

@@ -22,9 +22,9 @@ import torch.multiprocessing
 import torch.utils.data
 from torch.utils.data import Dataset, IterDataPipe, MapDataPipe, Sampler
 
-from . import _torch, hooks, resume
+from . import _torch, offers, resume
 from ._messages import Restore, Resume, Task, WorkerSpec
-from ._pool import STATUS_CHECK_INTERVAL_S, WorkerPool
+from ._processes import STATUS_CHECK_INTERVAL_S, WorkerProcesses
 from ._receiver import Arrived, Receiver, Replaced, WorkerResumed
 from ._respawn import Respawner
 from ._tasks import Sent, TaskTable, WorkerRecord
@@ -67,9 +67,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         in_order: bool = True,
         snapshot_every_n_steps: int | None = 1,
         on_worker_failure: str = "raise",
+        transport: TransportConfig | None = None,
     ) -> None:
-        """torch's arguments (the same meanings and defaults), plus ``snapshot_every_n_steps``
-        and ``on_worker_failure``.
+        """torch's arguments (the same meanings and defaults), plus ``snapshot_every_n_steps``,
+        ``on_worker_failure`` and ``transport``.
 
         Args:
             dataset: the dataset to load from (map-style or iterable).
@@ -104,7 +105,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 is an error naming it) or "respawn" (a new worker takes its place and gets its
                 unfinished batches again, from its RNG states: nothing lost or repeated, the
                 same batches in the same order as without the failure).
+            transport: how workers hand their batches over (``fastmm.TransportConfig``: the
+                shared-memory directory, slab memory, worker malloc, C++ or its twin); None:
+                from the ``FASTMM_*`` variables each time workers start.
         """
+        if transport is not None and not isinstance(transport, TransportConfig):
+            raise TypeError(f"transport should be a fastmm.TransportConfig or None, but got "
+                            f"{type(transport).__name__}")
         if on_worker_failure not in ("raise", "respawn"):
             raise ValueError(f"on_worker_failure={on_worker_failure!r}; use 'raise' or 'respawn'")
         num_workers = _whole_number("num_workers", num_workers)
@@ -124,20 +131,23 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         )
         self.on_worker_failure = on_worker_failure
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.transport = transport
+        self._restore_next: resume.Progress | None = None  # from load_state_dict, for next iter
+        self._progress: resume.Progress | None = None  # where the latest iterator is
+        self._findings_said: set[str] = set()  # doctor's findings warned of already
 
     def __iter__(self):
         # FASTMM_TELEMETRY=summary|trace: the epoch watched and exported (telemetry/auto.py)
         return auto_export.epoch(self, super().__iter__)
 
     def _get_iterator(self):
-        restore = self.__dict__.pop("_fastmm_restore", None)
+        restore, self._restore_next = self._restore_next, None
         if self.num_workers == 0:
             return _SingleProcessIter(self, restore)
         _call_as_torch(self.check_worker_number_rationality)
         from . import doctor  # (not at import: python -m fastmm.doctor runs it as __main__)
 
-        doctor.warn_once(self.__dict__.setdefault("_fastmm_findings", set()),
-                         doctor.loader_findings(self))
+        doctor.warn_once(self._findings_said, doctor.loader_findings(self))
         return _SlabDataLoaderIter(self, restore)
 
     def state_dict(self) -> dict:
@@ -145,7 +155,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         given it by ``load_state_dict`` yields exactly the batches this one would yield next
         (same samples, order and augmentation draws). With ``in_order=False``: the samples
         not handed out yet, each once, in the order the workers finish them."""
-        return resume.encode(self, self.__dict__.get("_fastmm_progress"))
+        return resume.encode(self, self._progress)
 
     def load_state_dict(self, state: dict) -> None:
         """Start the next iteration where ``state`` (from ``state_dict``) was taken. Raises
@@ -155,8 +165,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if self._iterator is not None:  # persistent workers of the old position: start anew
             self._iterator._shutdown_workers()
             self._iterator = None
-        self.__dict__["_fastmm_restore"] = progress
-        self.__dict__["_fastmm_progress"] = progress
+        self._restore_next = self._progress = progress
 
 
 
@@ -195,12 +204,12 @@ class _ResumableIter:
         else:
             _call_as_torch(init, loader)
         progress = resume.Progress.starting(loader.num_workers, self._base_seed, restore)
-        self._progress = loader.__dict__["_fastmm_progress"] = progress
+        self._progress = loader._progress = progress
         self._first_sampler_iter = resume.SamplerTap(loader, progress, restore)
 
     def _note_epoch_start(self) -> None:
         """Keep an IterableDataset's own state as the epoch begins: a restored loader loads it,
-        then each worker's stream state over it (or pulls the samples handed out again, which
+        then each worker's iterator state over it (or pulls the samples handed out again, which
         would move a position the dataset keeps and count its bad samples twice if the state
         were the one at state_dict())."""
         if self._dataset_kind == DatasetKind.Iterable:
@@ -221,19 +230,19 @@ class _SingleProcessIter(_ResumableIter, _torch.SingleProcessDataLoaderIter):
         self._sampler_iter = self._first_sampler_iter
         self._note_epoch_start()
         if restore is not None and restore.mid_epoch and self._dataset_kind == DatasetKind.Iterable:
-            stream = restore.worker_streams[0]
-            if stream is not None:  # the stream goes on from its own state
+            iter_state = restore.worker_iter_states[0]
+            if iter_state is not None:  # the iterator goes on from its own state
                 self._dataset_fetcher = resume.resumed_fetcher(lambda: DatasetKind.create_fetcher(
                     self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
-                    self._drop_last), self._dataset, stream)
+                    self._drop_last), self._dataset, iter_state)
             else:
                 with resume.KeepRng():  # pull and drop what was handed out; its draws were made
                     for _ in range(restore.batches):
                         self._dataset_fetcher.fetch(next(self._sampler_iter))
         elif self._dataset_kind == DatasetKind.Iterable:
-            # the state before the first batch: a stream may keep the caller's RNG state in it
+            # the state before the first batch: a iter_state may keep the caller's RNG state in it
             try:
-                self._note_stream()
+                self._note_iter_state()
             except Exception:
                 pass  # one whose state exists only once iterated: asked after each batch
 
@@ -245,16 +254,17 @@ class _SingleProcessIter(_ResumableIter, _torch.SingleProcessDataLoaderIter):
     def _next_batch(self):
         data = _torch.SingleProcessDataLoaderIter._next_data(self)
         if self._dataset_kind == DatasetKind.Iterable:
-            self._note_stream()
+            self._note_iter_state()
         return data
 
-    def _note_stream(self) -> None:
-        self._progress.worker_streams[0] = resume.stream_state(self._dataset, self._dataset_fetcher)
+    def _note_iter_state(self) -> None:
+        self._progress.worker_iter_states[0] = resume.iter_state(self._dataset,
+                                                                 self._dataset_fetcher)
 
 
 class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
     """Multi-process iterator; its scheduling mirrors torch's ``_MultiProcessingDataLoaderIter``
-    (index dispatch, in-order delivery). Its parts: the worker processes (``WorkerPool``), the
+    (index dispatch, in-order delivery). Its parts: the worker processes (``WorkerProcesses``), the
     epoch's tasks and what is kept of each worker (``TaskTable``, ``WorkerRecord``), what the
     workers send (``Receiver``), replacements (``Respawner``) and the slab pool.
 
@@ -277,7 +287,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             raise AssertionError(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._table = TaskTable(self._num_workers, self._prefetch_factor, self._in_order)
-        self._transport = TransportConfig.from_env()
+        self._transport = loader.transport or TransportConfig.from_env()
         # Workers run ahead by up to prefetch_factor batches each: keeping that many slabs in the
         # pool per worker, plus one, means a steady loop never creates or closes a slab.
         locking = self._pin_memory and self._pin_memory_device == "cuda"
@@ -285,39 +295,39 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                                    lean=self._transport.slab_memory == "lean",
                                    **(cuda_page_locking() if locking else {}))
         # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
-        self._watches = hooks.sample_watches(self._dataset)
-        for watch in self._watches:
-            watch.watched = True
-        self._findings_said = loader.__dict__.setdefault("_fastmm_findings", set())
-        self._pool = WorkerPool(self._num_workers,
+        self._deadlines = offers.decode_deadlines(self._dataset)
+        for deadline in self._deadlines:
+            deadline.enforced = True
+        self._findings_said = loader._findings_said
+        self._worker_processes = WorkerProcesses(self._num_workers,
                                 loader.multiprocessing_context or torch.multiprocessing,
                                 self._slab_pool, _worker_spec(self, loader), _call_as_torch)
         restored = restore is not None and restore.base_seed is not None
         self._records = [WorkerRecord(rng=restore.worker_rng[i] if restored else None,
-                                      stream=self._progress.worker_streams[i])
+                                      iter_state=self._progress.worker_iter_states[i])
                          for i in range(self._num_workers)]
-        counters = hooks.skip_counts(self._dataset)
+        counters = offers.skip_counts(self._dataset)
         per_batch = (0 if self._dataset_kind != DatasetKind.Iterable else  # pulled to skip one
                      self._index_sampler.batch_size if self._auto_collation else 1)
-        self._respawner = Respawner(self._pool, self._records, counters, per_batch)
+        self._respawner = Respawner(self._worker_processes, self._records, counters, per_batch)
         self._receiver = Receiver(
-            self._pool, self._slab_pool, self._table, self._records, self._respawner,
-            watches=self._watches, respawn=loader.on_worker_failure == "respawn",
+            self._worker_processes, self._slab_pool, self._table, self._records, self._respawner,
+            deadlines=self._deadlines, respawn=loader.on_worker_failure == "respawn",
             timeout=self._timeout, counted=counters is not None,
             shm_dir=self._transport.shm_dir, prefetch_factor=self._prefetch_factor)
         for worker_id in range(self._num_workers):
             self._respawner.start(worker_id, _restore_of(self._progress, restore, worker_id,
                                                          per_batch), self._shared_seed)
-        if not (self._receiver.respawn or self._watches):  # else deaths are ours, not torch's
+        if not (self._receiver.respawn or self._deadlines):  # else deaths are ours, not torch's
             _torch.set_worker_pids(id(self), tuple(w.pid for w in self._workers))
             _torch.set_sigchld_handler()
-            self._worker_pids_set = self._pool.signal_id = id(self)
+            self._worker_pids_set = self._worker_processes.signal_id = id(self)
         self._reset(loader, first_iter=True)
 
     # torch's names for what the parts hold (tools and tests read them)
     @property
     def _workers(self) -> list:
-        return self._pool.processes
+        return self._worker_processes.processes
 
     @property
     def _workers_status(self) -> list[bool]:
@@ -338,9 +348,10 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             first_worker = self._progress.first_worker(self._dataset_kind == DatasetKind.Iterable)
         else:
             self._progress.next_epoch()
-            for record, stream in zip(self._records, self._progress.worker_streams):
-                record.stream, record.end_stream = stream, None  # a respawn starts there
-            loader.__dict__["_fastmm_progress"] = self._progress
+            for record, iter_state in zip(self._records, self._progress.worker_iter_states):
+                # a respawn starts there
+                record.iter_state, record.end_iter_state = iter_state, None
+            loader._progress = self._progress
             self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
         self._table.reset(first_worker)
         # batches received from each worker this epoch (a restored one had skipped its own)
@@ -348,9 +359,9 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             record.received = batches if first_iter else 0
         if not first_iter:
             # a dataset offering fastmm_epoch (a ShardStream) has its workers' copies follow
-            # the main one's set_epoch (hooks.py)
-            epoch = hooks.epoch(unwatched(self._dataset))
-            for index_queue in self._pool.index_queues:
+            # the main one's set_epoch (offers.py)
+            epoch = offers.epoch(unwatched(self._dataset))
+            for index_queue in self._worker_processes.index_queues:
                 index_queue.put(Resume(self._shared_seed, epoch))
             awaiting = set(range(self._num_workers))  # a respawned one starts anew
             while awaiting:
@@ -377,7 +388,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             task = table.due()  # (passing over tasks of workers that ended their iterable)
             if task is None:
                 # for the next epoch
-                self._progress.worker_streams = [record.end_stream for record in self._records]
+                self._progress.worker_iter_states = [r.end_iter_state for r in self._records]
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
@@ -414,10 +425,11 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
         if worker_id is None:
             return
         idx = self._table.add(worker_id, index, self._sampler_iter.position)
-        self._pool.index_queues[worker_id].put(Task(idx, index, self._slab_pool.loop_spare_s))
+        task = Task(idx, index, self._slab_pool.loop_spare_s)
+        self._worker_processes.index_queues[worker_id].put(task)
 
     def _process_data(self, data, task: Sent):
-        self._progress.handed_out(task.worker_id, task.rng, task.stream, task.position,
+        self._progress.handed_out(task.worker_id, task.rng, task.iter_state, task.position,
                                   task.counts)
         self._table.handed_out(task)
         self._try_put_index()
@@ -431,7 +443,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
     # -- shutdown ----------------------------------------------------------------------------
 
     def _mark_worker_as_unavailable(self, worker_id: int, shutdown: bool = False) -> None:
-        self._pool.stop(worker_id)
+        self._worker_processes.stop(worker_id)
         self._table.active[worker_id] = False
 
     def _shutdown_workers(self, join_s: float = STATUS_CHECK_INTERVAL_S) -> None:
@@ -439,17 +451,17 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             return
         self._shutdown = True
         try:
-            self._pool.done_event.set()
+            self._worker_processes.done_event.set()
             for worker_id, process in enumerate(self._workers):
                 if process is not None and (self._persistent_workers
                                             or self._table.active[worker_id]):
                     self._mark_worker_as_unavailable(worker_id, shutdown=True)
-            self._pool.close(join_s)
+            self._worker_processes.close(join_s)
         finally:
             if self._worker_pids_set:
                 _torch.remove_worker_pids(id(self))
-                self._worker_pids_set = self._pool.signal_id = False
-            self._pool.forget()
+                self._worker_pids_set = self._worker_processes.signal_id = False
+            self._worker_processes.forget()
             self._table.tasks = {}
             self._slab_pool.close()
 
@@ -487,11 +499,11 @@ def _restore_of(progress: resume.Progress, restore: resume.Progress | None, work
     if restore is None:
         return Restore()
     rng = restore.worker_rng[worker_id] if restore.base_seed is not None else None
-    stream = progress.worker_streams[worker_id]  # (between epochs: carried over)
+    iter_state = progress.worker_iter_states[worker_id]  # (between epochs: carried over)
     skip = 0
-    if restore.mid_epoch and stream is None:
+    if restore.mid_epoch and iter_state is None:
         skip = restore.worker_batches[worker_id] * per_batch
-    return Restore(rng, skip, stream)
+    return Restore(rng, skip, iter_state)
 
 
 def _not_ours(name: str):

@@ -10,7 +10,7 @@ those states (leaving the caller's RNGs as they were), skips the batches handed 
 worker's RNGs before its first batch; batches that were prefetched but not handed out are made
 again. An IterableDataset has no index to skip to. If it (or the iterator it returns) has
 ``state_dict()``/``load_state_dict()``, as torchdata's StatefulDataLoader asks of a resumable
-stream, each worker's copy goes on from the state it had after its last batch handed out;
+iterable dataset, each worker's copy goes on from the state it had after its last batch handed out;
 otherwise each worker pulls and drops the samples it had handed out (its iterator must be
 deterministic). Then the worker's RNG states are set. With ``in_order=False`` the state also
 lists the batches handed out ahead of the first one still missing (by their place in the
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import IterableDataset
 
-from . import hooks
+from . import offers
 from ._wrappers import all_wrapped
 
 VERSION = 1
@@ -132,7 +132,7 @@ def apply_rng(state: tuple) -> None:
         np.random.set_state(("MT19937", np.frombuffer(key, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-class Watch:
+class SentOnChange:
     """A value a worker sends with a batch only when the batch changed it: its RNG states
     (``read`` = capture_rng), its row of skip counts."""
 
@@ -284,8 +284,8 @@ class Progress:
     done: bool = False  # the epoch ran out
     worker_rng: list = dataclasses.field(default_factory=list)  # per worker, after its last batch
     worker_batches: list = dataclasses.field(default_factory=list)  # IterableDataset: per worker
-    # IterableDataset: per worker (or the one process) its stream_state() after its last batch
-    worker_streams: list = dataclasses.field(default_factory=list)
+    # IterableDataset: per worker (or the one process) its iter_state() after its last batch
+    worker_iter_states: list = dataclasses.field(default_factory=list)
     # a MultimodalDataset's: per worker, its row of skip counts after its last batch handed out
     # (this process's view, not saved: state_dict() counts by it)
     worker_counts: list = dataclasses.field(default_factory=list)
@@ -294,7 +294,7 @@ class Progress:
     def __post_init__(self):
         self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
         self.worker_batches = list(self.worker_batches) or [0] * self.num_workers
-        self.worker_streams = list(self.worker_streams) or [None] * max(1, self.num_workers)
+        self.worker_iter_states = list(self.worker_iter_states) or [None] * max(1, self.num_workers)
         self.worker_counts = list(self.worker_counts) or [None] * self.num_workers
 
     @property
@@ -317,10 +317,10 @@ class Progress:
             if restore.mid_epoch:  # the sampler tap skips what was handed out
                 progress.batches, progress.ahead = restore.batches, set(restore.ahead)
                 progress.worker_batches = list(restore.worker_batches)
-                progress.worker_streams = list(restore.worker_streams)
+                progress.worker_iter_states = list(restore.worker_iter_states)
                 progress.last_worker = restore.last_worker
             elif restore.base_seed is not None:  # the same persistent workers, a new epoch
-                progress.worker_streams = carried_streams(restore.worker_streams)
+                progress.worker_iter_states = carried_iter_states(restore.worker_iter_states)
         return progress
 
     def next_epoch(self) -> None:
@@ -328,16 +328,16 @@ class Progress:
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
         self.batches, self.done, self.ahead = 0, False, set()
         self.worker_batches = [0] * self.num_workers
-        self.worker_streams = carried_streams(self.worker_streams)
+        self.worker_iter_states = carried_iter_states(self.worker_iter_states)
 
-    def handed_out(self, worker_id: int, rng: tuple | None, stream: tuple | None,
+    def handed_out(self, worker_id: int, rng: tuple | None, iter_state: tuple | None,
                    position: int | None = None, counts: list | None = None) -> None:
         """A batch handed out.
 
         Args:
             worker_id: the worker that made it.
             rng: its worker's RNG states after it; None where the batch did not change them.
-            stream: its worker's stream_state() after it (an IterableDataset's), or None.
+            iter_state: its worker's iter_state() after it (an IterableDataset's), or None.
             position: its place in the sampler's order, where batches may come back out of it
                 (in_order=False); else None.
             counts: its worker's skip counts after it (a MultimodalDataset's), or None.
@@ -354,8 +354,8 @@ class Progress:
         self.worker_batches[worker_id] += 1
         if rng is not None:
             self.worker_rng[worker_id] = rng
-        if stream is not None:
-            self.worker_streams[worker_id] = stream
+        if iter_state is not None:
+            self.worker_iter_states[worker_id] = iter_state
         if counts is not None:
             self.worker_counts[worker_id] = counts
 
@@ -408,7 +408,7 @@ def _own_loads(dataset, state) -> list:
 
 
 def dataset_state(dataset):
-    """A copy of own_state() now, or None if it cannot give one now (a stream whose state
+    """A copy of own_state() now, or None if it cannot give one now (an iterable dataset whose state
     exists only once iterated, in its workers): then state_dict() asks it again when called,
     and its error, if any, shows there."""
     try:
@@ -419,7 +419,7 @@ def dataset_state(dataset):
 
 def _stateful(obj) -> bool:
     """Whether ``obj`` keeps a state to resume from (torchdata's Stateful). An nn.Module's own
-    state_dict() is its weights, not a place in a stream: asked after every batch, it would
+    state_dict() is its weights, not a place in its samples: asked after every batch, it would
     copy them all each time."""
     if isinstance(obj, torch.nn.Module) and type(obj).state_dict is torch.nn.Module.state_dict:
         return False
@@ -427,8 +427,8 @@ def _stateful(obj) -> bool:
         getattr(obj, "load_state_dict", None))
 
 
-class StreamState(NamedTuple):
-    """Where an IterableDataset's iterator is (``stream_state``). ``kind``: "iterator" (state:
+class IterState(NamedTuple):
+    """Where an IterableDataset's iterator is (``iter_state``). ``kind``: "iterator" (state:
     its state_dict()), "dataset" (the dataset's), "ended" (it ran out; state: the dataset's,
     carried into the next epoch, or None where the iterator kept it), "carried" (an ended one
     a persistent worker goes on from in the next epoch)."""
@@ -460,8 +460,8 @@ def usable(state):
     return None if isinstance(state, Unavailable) else state
 
 
-def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
-                 ) -> StreamState | None:
+def iter_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
+                 ) -> IterState | None:
     """Where an IterableDataset's iterator is, from the state it keeps itself: "iterator" (its
     state_dict()) if the iterator has one, else "dataset" (the dataset's), else None (then a
     resumed loader pulls and drops the samples handed out). Once the iterator ran out (within
@@ -486,37 +486,37 @@ def stream_state(dataset, fetcher, ran_out: bool = False, *, sent: bool = False
         return None
     try:
         if ran_out or fetcher.ended:
-            return StreamState("ended",
+            return IterState("ended",
                                None if _stateful(iterator) else copied(dataset.state_dict()))
         if _stateful(iterator):
-            return StreamState("iterator", copied(iterator.state_dict()))
-        return StreamState("dataset", copied(dataset.state_dict()))
+            return IterState("iterator", copied(iterator.state_dict()))
+        return IterState("dataset", copied(dataset.state_dict()))
     except Exception as e:
         return Unavailable.of("the IterableDataset", e)
 
 
-def carried_streams(streams: list) -> list:
-    """The stream states persistent workers start an epoch from: a worker whose iterator ran
+def carried_iter_states(states: list) -> list:
+    """The iterator states persistent workers start an epoch from: a worker whose iterator ran
     out goes on with the dataset copy it had then (an epoch count it keeps, say)."""
     def carried(s):
         if isinstance(s, Unavailable):  # the loader's state_dict() still says so
             return s
         ran_out = s is not None and s[0] in ("ended", "carried") and s[1] is not None
-        return StreamState("carried", s[1]) if ran_out else None
+        return IterState("carried", s[1]) if ran_out else None
 
-    return [carried(s) for s in streams]
+    return [carried(s) for s in states]
 
 
-def resumed_fetcher(make_fetcher, dataset, stream: tuple | None):
-    """A fetcher made by ``make_fetcher()`` whose iterator goes on from ``stream`` (a
-    stream_state(), or carried_streams()' between epochs): the dataset's state is loaded before
+def resumed_fetcher(make_fetcher, dataset, iter_state: tuple | None):
+    """A fetcher made by ``make_fetcher()`` whose iterator goes on from ``iter_state`` (an
+    iter_state(), or carried_iter_states()' between epochs): the dataset's state is loaded before
     iter() is called, the iterator's after (torchdata's order). The state of a copy whose
     iterator ran out goes, as in torchdata, to an iterator that runs out (pulled once), so a
-    stream that starts its next iterator where its state says (torchdata's and Hugging Face's
-    resumable streams: at the end) uses it up there; a carried one's next epoch then gets an
+    dataset that starts its next iterator where its state says (torchdata's and Hugging Face's
+    resumable datasets: at the end) uses it up there; a carried one's next epoch then gets an
     iterator of its own (without that, a restored persistent worker's epoch was empty). The
     pull leaves the RNGs as they were."""
-    kind, state = stream if stream is not None else (None, None)
+    kind, state = iter_state if iter_state is not None else (None, None)
     if kind in ("dataset", "ended", "carried") and state is not None:
         dataset.load_state_dict(state)
     fetcher = make_fetcher()
@@ -615,7 +615,7 @@ def _chain(first, rest):
 
 
 def _world(loader) -> list[int] | None:
-    """This rank's place, from a distributed sampler, or a stream that splits by rank."""
+    """This rank's place, from a distributed sampler, or an iterable dataset that splits by rank."""
     for part in (*_samplers(loader), loader.dataset):
         if hasattr(part, "num_replicas") and hasattr(part, "rank"):
             return [int(part.rank), int(part.num_replicas)]
@@ -651,7 +651,7 @@ def encode(loader, progress: Progress | None) -> dict:
     same_workers = loader.num_workers > 0 and (p.mid_epoch or loader.persistent_workers)
     needed = [p.sampler_state] if p.mid_epoch else []
     if isinstance(loader.dataset, IterableDataset) and (p.mid_epoch or same_workers):
-        needed += p.worker_streams
+        needed += p.worker_iter_states
     for state in needed:
         if isinstance(state, Unavailable):
             state.fail()
@@ -676,7 +676,7 @@ def encode(loader, progress: Progress | None) -> dict:
         "worker_batches": list(p.worker_batches) if p.mid_epoch else [0] * p.num_workers,
         # an IterableDataset's: mid-epoch, after each worker's last batch; between epochs,
         # persistent workers' dataset copies as their epoch ran out
-        "worker_streams": [None if s is None else list(s) for s in p.worker_streams]
+        "worker_streams": [None if s is None else list(s) for s in p.worker_iter_states]
         if isinstance(loader.dataset, IterableDataset) and (p.mid_epoch or same_workers)
         else None,
         "last_worker": p.last_worker if p.mid_epoch else None,
@@ -685,7 +685,7 @@ def encode(loader, progress: Progress | None) -> dict:
         "sampler_generator": None if own is None else _b64(_state_of(own)),
     }
     # an IterableDataset: its state as the epoch began, as for the sampler; the restored loader
-    # pulls the samples handed out again, or loads each worker's stream state over it
+    # pulls the samples handed out again, or loads each worker's iterator state over it
     if p.mid_epoch and p.dataset_state is not None:
         state["dataset"] = p.dataset_state
     elif isinstance(loader.dataset, IterableDataset) and loader.num_workers > 0:
@@ -693,7 +693,7 @@ def encode(loader, progress: Progress | None) -> dict:
         # none to give (torchdata does not ask it)
         state["dataset"] = dataset_state(loader.dataset)
     else:
-        counters = hooks.skip_counts(loader.dataset)
+        counters = offers.skip_counts(loader.dataset)
         with (counters.handed_out(p.worker_counts) if counters is not None and p.mid_epoch
               else contextlib.nullcontext()):
             state["dataset"] = own_state(loader.dataset)
@@ -774,13 +774,14 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         p.done = True
         if _sampler_with_state(loader) is not None:
             sampler_state = state["sampler"]
-    streams = state.get("worker_streams")  # states saved before streams were kept lack it
-    if streams is not None and now["kind"] == "iterable" and (mid_epoch or same_workers):
-        _check(isinstance(streams, list) and len(streams) == max(1, loader.num_workers)
+    iter_states = state.get("worker_streams")  # (saved under its first name; older states lack it)
+    if iter_states is not None and now["kind"] == "iterable" and (mid_epoch or same_workers):
+        _check(isinstance(iter_states, list) and len(iter_states) == max(1, loader.num_workers)
                and all(s is None or isinstance(s, (list, tuple)) and len(s) == 2
-                       and s[0] in ("iterator", "dataset", "ended", "carried") for s in streams),
+                       and s[0] in ("iterator", "dataset", "ended", "carried")
+                       for s in iter_states),
                "worker_streams")
-        p.worker_streams = [None if s is None else tuple(s) for s in streams]
+        p.worker_iter_states = [None if s is None else tuple(s) for s in iter_states]
     # the generators' states now (a mid-epoch replay then sets the sampler's own from the epoch's)
     generator_states = [(g, _torch_state(state[key])) for g, key in (
         (loader.generator, "generator"), (sampler_generator(loader), "sampler_generator"))

@@ -72,7 +72,7 @@ class ShardStream(IterableDataset):
 
     @property
     def fastmm_epoch(self) -> int:
-        """The epoch persistent workers' copies are given too (hooks.py)."""
+        """The epoch persistent workers' copies are given too (offers.py)."""
         return self.epoch
 
     def plan(self, num_workers: int = 1) -> tuple[list[list[int]], int]:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from ..config import SourceConfig
 from .base import Problem, Sample, Source, SourceError, slot_of
-from .posix import PosixSource
+from .files import FileSource
 from .s3 import ObjectStoreError, S3Store
 from .shards import ShardSource, write_shards
 from .staged import StagedSource, StagingError, write_file_manifest
 
+PosixSource = FileSource  # its older name: it reads s3:// prefixes and manifests too
+
 SOURCES: dict[str, type[Source]] = {
-    "posix": PosixSource,
+    "posix": FileSource,
     "staged": StagedSource,
     "shards": ShardSource,
 }
@@ -35,6 +37,7 @@ def open_source(kind: str | None, root, **options) -> Source:
 
 __all__ = [
     "ObjectStoreError",
+    "FileSource",
     "PosixSource",
     "Problem",
     "S3Store",

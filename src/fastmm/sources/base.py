@@ -192,7 +192,7 @@ class Source:
         self.skipped: dict[str, int]
         self.problems: deque[Problem]
         self.skipped, self.problems = _errors
-        self._ahead_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads)
+        self._read_ahead: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads)
 
     def report(self, reason: str, key: str, origin: str, message: str) -> None:
         """Raise or count one problem, as on_error says.
@@ -220,10 +220,10 @@ class Source:
         reads then wait on the store's latency once, not once per sample."""
         if not self.reads_over_network or len(indices) < 2:
             return {}
-        if self._ahead_pool is None or self._ahead_pool[0] != os.getpid():  # not after a fork
-            self._ahead_pool = (os.getpid(),
+        if self._read_ahead is None or self._read_ahead[0] != os.getpid():  # not after a fork
+            self._read_ahead = (os.getpid(),
                                 ThreadPoolExecutor(self.READ_AHEAD_THREADS, "fastmm-read"))
-        pool = self._ahead_pool[1]
+        pool = self._read_ahead[1]
         return {i: pool.submit(self.read_apart, i) for i in dict.fromkeys(indices)}
 
     def read_apart(self, index: int) -> Sample:
@@ -232,7 +232,7 @@ class Source:
         return self.read(index)
 
     def __getstate__(self):  # a read-ahead pool stays in the process that made it
-        return {**self.__dict__, "_ahead_pool": None}
+        return {**self.__dict__, "_read_ahead": None}
 
     def keys(self) -> list[str]:
         raise NotImplementedError

@@ -31,7 +31,7 @@ from .base import (
     OnReadError, ProgressLines, Sample, Source, SourceError, name_problem,
     read_capped, tar_member_path, to_stderr,
 )
-from .posix import PosixSource
+from .files import FileSource
 from .s3 import ObjectInfo, S3Store, is_s3
 from .shards import ShardSource, iter_members
 
@@ -243,7 +243,7 @@ class StagedSource(Source):
             prefix = entry.rstrip("/") + "/" if entry else ""  # entry: a manifest, or a subtree
             staged = [path for f in self.files for path in self._copied_paths(f)]
             files = [path[len(prefix) :] for path in staged if path.startswith(prefix)]
-            self.inner: Source = PosixSource(
+            self.inner: Source = FileSource(
                 os.path.join(self.stage_dir, entry),
                 files=files,
                 rejected=self.rejected,

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from .._shared import row_of, this_worker
-from .._streaming import copy_spans, no_batch, sample_by_sample
-from .. import hooks
+from .._batch_fill import copy_spans, no_batch, sample_by_sample
+from .. import offers
 
 STAGES = ("sample", "read", "decode", "augment", "collate")
 _CODE = {name: i for i, name in enumerate(STAGES)}
@@ -295,7 +295,7 @@ class TimedDataset(_Forwarding, torch.utils.data.Dataset):
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
-        self._marks_samples = hooks.marks_sample_stage(dataset)
+        self._marks_samples = offers.marks_sample_stage(dataset)
         # [samples the next batch times alone (the first batch: all), where they start]; a
         # list, not attributes: setting those goes through _Forwarding's __setattr__
         self._plan = [1 << 62, 0]
@@ -390,7 +390,7 @@ class TimedIterableDataset(_Forwarding, torch.utils.data.IterableDataset):
 
     def __init__(self, dataset, log: SpanLog):
         self._inner, self._log = dataset, log
-        self._marks_samples = hooks.marks_sample_stage(dataset)
+        self._marks_samples = offers.marks_sample_stage(dataset)
 
     def __iter__(self):
         row = activate(self._log)

@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 import torch
 
-from .. import hooks
+from .. import offers
 from . import export
 from .metrics import DISTRIBUTIONS, METRICS, Distribution
 from .recorder import (_COLLATE, _SAMPLE, SAMPLE_COPY, STAGES, SpanLog, TimedCollate,
@@ -34,8 +34,8 @@ from .sampler import Sampler, baseline
 
 def _skipped(dataset) -> int:
     """Samples the datasets ``dataset`` is or wraps (Subset, ShardStream, ConcatDataset) left
-    out or replaced so far, in every process, where they count them (hooks.py)."""
-    counters = hooks.skip_counts(dataset)
+    out or replaced so far, in every process, where they count them (offers.py)."""
+    counters = offers.skip_counts(dataset)
     return counters.met() if counters is not None else 0
 
 

@@ -24,8 +24,9 @@ from .base import (
 from .s3 import S3Store, is_s3
 
 
-class PosixSource(Source):
-    """A directory tree or a manifest file on a POSIX file system.
+class FileSource(Source):
+    """A file per sample member: a directory tree or a manifest file, on a local file system or
+    in an S3 store (source kind "posix"; ``PosixSource`` is its older name).
 
     Tree: every file ``<key>.<ext>`` below ``root`` (key = relative path up to the first dot of
     the file name, as webdataset splits) joins the sample ``key``; names starting with "." are

@@ -8,8 +8,9 @@ know datasets only through these, so a user's dataset can offer what fastmm's ow
   which its totals are those of the batches handed out). A worker sends its row with each
   batch, so a replacement worker starts from the row of its predecessor's last batch received,
   and a loader's state counts only the batches handed out.
-- ``fastmm_sample_watch``: a decode deadline (``dataset.SampleWatch``): which sample each
-  worker is on and since when; the loader replaces a worker stuck past it.
+- ``fastmm_decode_deadline``: a decode deadline (``dataset.DecodeDeadline``): which sample each
+  worker is on and since when; the loader replaces a worker stuck past it. (Its older name,
+  ``fastmm_sample_watch``, is read too.)
 - ``fastmm_marks_sample_stage = True``: the dataset records its own per-sample telemetry spans.
 - ``fastmm_epoch``: the epoch its ``set_epoch`` was given in the main process; persistent
   workers' copies are given it too at each new epoch (``ShardStream``'s). torch passes nothing
@@ -29,8 +30,12 @@ def skip_counts(dataset) -> "SkipCountsOf | None":
     return SkipCountsOf(parts) if parts else None
 
 
-def sample_watches(dataset) -> list:
-    return all_wrapped(dataset, "fastmm_sample_watch")
+def decode_deadlines(dataset) -> list:
+    """The decode deadlines ``dataset`` or the datasets it wraps offer (also under the older
+    name ``fastmm_sample_watch``)."""
+    found = all_wrapped(dataset, "fastmm_decode_deadline")
+    return found + [d for d in all_wrapped(dataset, "fastmm_sample_watch")
+                    if not any(d is f for f in found)]
 
 
 def marks_sample_stage(dataset) -> bool:

@@ -27,10 +27,10 @@ from ._workers import StopFlag, worker_loop
 from .slabs import SlabPool, open_files_guard
 
 STATUS_CHECK_INTERVAL_S = _torch.MP_STATUS_CHECK_INTERVAL
-_OPEN_POOLS: dict[int, "WorkerPool"] = {}  # id -> each pool not yet shut down
+_OPEN_WORKERS: dict[int, "WorkerProcesses"] = {}  # id -> each pool not yet shut down
 
 
-class WorkerPool:
+class WorkerProcesses:
     """The loader's worker processes running ``_workers.worker_loop``, and their channels, by
     worker id.
 
@@ -57,7 +57,7 @@ class WorkerPool:
         self.signal_id = None  # the key its pids have in torch's SIGCHLD handler, if any
         # Registered apart from the iterator: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
-        _OPEN_POOLS[id(self)] = self
+        _OPEN_WORKERS[id(self)] = self
 
     def start(self, worker_id: int, restore: Restore, shared_seed: int) -> None:
         """Start worker ``worker_id`` from ``restore`` (resume.py)."""
@@ -162,17 +162,17 @@ class WorkerPool:
         end_processes(self.started())
         for sock in filter(None, self.fd_socks):
             sock.close()
-        _OPEN_POOLS.pop(id(self), None)
+        _OPEN_WORKERS.pop(id(self), None)
 
 
 @atexit.register
-def _close_open_pools() -> None:
+def _close_open_workers() -> None:
     """At exit, close the channels of pools still open (persistent workers), as their own
     shutdown would: torch skips that shutdown at exit, and the workers then see their loop gone.
     Then end the workers: multiprocessing's exit handler (registered before this one, so it
     runs after) would wait without end for one that outlives SIGTERM."""
     workers = []
-    for pool_id, pool in list(_OPEN_POOLS.items()):
+    for pool_id, pool in list(_OPEN_WORKERS.items()):
         for channel in [*pool.result_conns, *pool.fd_socks]:
             if channel is not None:
                 channel.close()
@@ -183,7 +183,7 @@ def _close_open_pools() -> None:
                     _torch.remove_worker_pids(pool.signal_id)
                 except (RuntimeError, ValueError):
                     pass
-    _OPEN_POOLS.clear()
+    _OPEN_WORKERS.clear()
     end_processes(workers)
 
 

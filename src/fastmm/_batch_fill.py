@@ -30,7 +30,7 @@ def fetching(batch):
 
 
 def no_batch(sample, position: int):
-    """What ``sample_by_sample`` gives where no batch streams: the sample, unchanged."""
+    """What ``sample_by_sample`` gives where no batch is being filled: the sample, unchanged."""
     return sample
 
 
@@ -38,8 +38,8 @@ def no_batch(sample, position: int):
 def sample_by_sample():
     """``with sample_by_sample() as put:`` around making a batch's samples one by one; keep
     ``put(sample, position)`` in the batch's list in place of each sample. Only the outermost
-    producer streams: one nested in it (a dataset calling another's ``__getitems__`` inside its
-    own ``__getitem__``) gets its samples back unchanged, so no slot is filled twice."""
+    producer fills the batch: one nested in it (a dataset calling another's ``__getitems__``
+    inside its own ``__getitem__``) gets its samples back unchanged, so no slot is filled twice."""
     global _current
     batch, _current = _current, None
     try:
