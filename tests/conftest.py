@@ -14,6 +14,17 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 
+def pytest_collection_modifyitems(items):
+    """A module that sets ``PURE_TWIN_IS_SLOW = True`` runs its pure-Python transport cases in
+    the full suite only: the quick subset checks the twin elsewhere, and these cases twice
+    over would cost it half a minute."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if (getattr(item.module, "PURE_TWIN_IS_SLOW", False) and callspec is not None
+                and callspec.params.get("transport") == "pure"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(params=["cpp", "pure"])
 def transport(request, monkeypatch):
     """Run a test on both slab transports: the C++ extension and its pure-Python twin.

@@ -358,6 +358,9 @@ def test_enough_configurations():
     assert len(CASES) >= 40
 
 
+PURE_TWIN_IS_SLOW = True  # (conftest.py: the full suite runs every case on both transports)
+
+
 @pytest.mark.parametrize("case", [  # workers started by spawn or forkserver import torch anew
     pytest.param(c, id=c.id, marks=[pytest.mark.slow] * ("spawn" in c.id or "forkserver" in c.id))
     for c in CASES])

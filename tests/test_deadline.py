@@ -266,9 +266,13 @@ def test_worker_errors_keep_their_type_and_fields(corpus, loader_class):
     reason and key from it (before, DecodeError's signature made that a RuntimeError)."""
     stuck = _stuck_keys(corpus, n=1)
     data = _dataset(corpus, CorruptOn(stuck), "raise", deadline=None)
-    with pytest.raises(DecodeError, match="Caught DecodeError in DataLoader worker") as caught:
-        for _ in loader_class(data, batch_size=4, num_workers=1):
-            pass
+    it = iter(loader_class(data, batch_size=4, num_workers=1))
+    try:
+        with pytest.raises(DecodeError, match="Caught DecodeError in DataLoader worker") as caught:
+            for _ in it:
+                pass
+    finally:  # not left to the collector: torch's would wait 5 s for its worker in a later test
+        it._shutdown_workers()
     assert (caught.value.reason, caught.value.key) == ("corrupt", stuck[0])
     origins = {s.key: s.origin for s in map(data.source.read, data._index())}
     assert caught.value.origin == origins[stuck[0]] != ""

@@ -48,10 +48,24 @@ def _findings(loader, epochs=1):
     return [str(w.message) for w in caught if issubclass(w.category, doctor.FastmmWarning)]
 
 
-def test_a_large_python_list_in_the_dataset_is_named_once():
-    loader = fastmm.DataLoader(ListHolder(200_000), batch_size=2, num_workers=2)
-    found = _findings(loader, epochs=2)
-    assert len(found) == 1 and "ListHolder.paths (list of 200,000 items)" in found[0]
+class Labels(int):
+    """A type sharing does not cover."""
+
+
+def test_a_large_python_list_the_workers_will_copy_is_named_once(monkeypatch):
+    """Shared (str), nothing to say; not shared (a type it does not cover, or sharing off):
+    named once per loader, with why and what to do."""
+    assert _findings(fastmm.DataLoader(ListHolder(200_000), batch_size=2, num_workers=2)) == []
+    holder = ListHolder(200_000)
+    holder.labels = [Labels(1)] * 200_000
+    found = _findings(fastmm.DataLoader(holder, batch_size=2, num_workers=2), epochs=2)
+    assert len(found) == 1
+    assert "dataset.labels (list of 200,000 items: it holds a test_doctor.Labels)" in found[0]
+    assert "(shared, read in place: dataset.paths)" in found[0]
+    monkeypatch.setenv("FASTMM_SHARE_DATASET", "0")
+    found = _findings(fastmm.DataLoader(ListHolder(200_000), batch_size=2, num_workers=2))
+    assert len(found) == 1 and "dataset.paths (list of 200,000 items)" in found[0]
+    assert "FASTMM_SHARE_DATASET=0 turned sharing them with the workers off" in found[0]
     assert _findings(fastmm.DataLoader(ListHolder(10), batch_size=2, num_workers=2)) == []
     assert _findings(fastmm.DataLoader(ListHolder(200_000), batch_size=2)) == []  # no workers
 
@@ -126,3 +140,25 @@ def test_the_doctor_names_each_bad_variable_and_refuses_bad_arguments(tmp_path):
         assert refused.returncode == 2 and "fastmm-doctor: error: " in refused.stderr, argv
 
 
+
+
+def test_the_doctor_says_what_a_dataset_shares_and_saves(tmp_path, monkeypatch, capsys):
+    (tmp_path / "user_data.py").write_text(
+        "class Index:\n"
+        "    def __init__(self):\n"
+        "        self.paths = [f'img/{i}.jpg' for i in range(200_000)]\n"
+        "        self.weights = [object()] * 200_000\n"
+        "    def __getitem__(self, i):\n"
+        "        return self.paths[i]\n"
+        "def make():\n"
+        "    return Index()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec in ("user_data:make", "user_data:Index"):
+        doctor.main(["--dataset", spec])
+        out = capsys.readouterr().out
+        assert "dataset.paths: list of 200,000 items" in out
+        assert "MiB of Python objects copied into each worker" in out
+        assert "WARNING: the dataset holds large Python containers" in out
+        assert "dataset.weights (list of 200,000 items: it holds a builtins.object)" in out
+    with pytest.raises(SystemExit, match="give it as module:name"):
+        doctor.main(["--dataset", "user_data"])

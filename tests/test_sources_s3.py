@@ -122,6 +122,7 @@ def test_a_published_index_opens_without_a_scan_and_headers_catch_a_changed_shar
     assert stale.read(4).members == _samples(12)[4][1]
 
 
+@pytest.mark.slow  # (about 4 s: timed reads through a slowed store)
 @pytest.mark.parametrize("root", ["shards/", "manifest.jsonl"])
 def test_a_batch_from_the_store_is_fetched_at_once_and_each_sample_as_alone(s3, root):
     """MultimodalDataset.__getitems__ (torch's batched fetch) starts the batch's GETs together,
@@ -194,6 +195,7 @@ def test_staging_checks_a_published_manifest(s3, tmp_path):
     assert all(f.sha256 for f in staged.files)
 
 
+@pytest.mark.slow  # (about 3.5 s: real backoff waits)
 def test_throttling_and_5xx_are_retried_with_backoff(s3):
     src = ShardSource(f"s3://{BUCKET}/shards", progress=None)
     src.keys()

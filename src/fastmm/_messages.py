@@ -86,6 +86,9 @@ class WorkerSpec:
         restore: where this worker begins (``Restore``).
         start_method: the multiprocessing start method ("fork", "spawn", "forkserver").
         main_pid: the loader's process, which the worker must not outlive.
+        share: under fork, the dataset's containers shared with the workers, which the
+            worker puts in place of its inherited ones (``shared.DatasetShare``); else None
+            (a spawned worker's dataset arrives with them in place).
         index_queue, result_conn, fd_sock, done_event: its channels (see the module).
     """
 
@@ -103,6 +106,7 @@ class WorkerSpec:
     restore: Restore = Restore()
     start_method: str = "fork"
     main_pid: int | None = None
+    share: object = None
     index_queue: object = None
     result_conn: object = None
     fd_sock: object = None

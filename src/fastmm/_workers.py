@@ -174,6 +174,8 @@ def worker_loop(spec: WorkerSpec) -> None:
         # left out of this worker's garbage collections: a full collection writes into every
         # object it visits, which would copy each page holding one into this process.
         gc.freeze()
+        if spec.share is not None:
+            spec.share.install()
         _exit_when_orphaned(spec.start_method, spec.main_pid)
         _torch.set_worker_signal_handlers()
         if spec.transport.worker_malloc == "reuse":

@@ -112,6 +112,9 @@ class TransportConfig:
     # FASTMM_WORKER_MALLOC: "reuse" has glibc keep memory a worker frees for its next samples
     # (no fresh pages per decoded image); "system" leaves glibc's defaults, as torch's workers.
     worker_malloc: Literal["reuse", "system"] = "reuse"
+    # FASTMM_SHARE_DATASET: the dataset's large lists, tuples and dicts shared with the workers,
+    # read in place, instead of copied into each worker as it reads them (shared.py)
+    share_dataset: bool = True
 
     @classmethod
     def from_env(cls) -> "TransportConfig":
@@ -120,6 +123,7 @@ class TransportConfig:
             shm_dir=_env_shm_dir("FASTMM_SHM_DIR", "/dev/shm"),
             slab_memory=_env_choice("FASTMM_SLAB_MEMORY", "auto", SLAB_MEMORY_MODES),
             worker_malloc=_env_choice("FASTMM_WORKER_MALLOC", "reuse", WORKER_MALLOC_MODES),
+            share_dataset=_env_bool("FASTMM_SHARE_DATASET", True),
         )
 
 

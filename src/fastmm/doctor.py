@@ -1,7 +1,7 @@
 """Pre-flight checks: what will make a loader fail or slow down later, said before it does.
 
-``fastmm.DataLoader`` warns of ``loader_findings`` when its workers start (each finding once per
-loader, as a ``FastmmWarning``) and checks shared memory against the slab pool once the first batch
+``fastmm.DataLoader`` warns of ``copy_on_read_findings`` when its workers start (each finding once
+per loader, as a ``FastmmWarning``) and checks shared memory against the slab pool once the first batch
 shows its size. ``python -m fastmm.doctor`` (or ``fastmm-doctor``) prints the same checks for
 this machine and, given a batch size in bytes, the shared memory a configuration needs.
 """
@@ -51,30 +51,32 @@ def shm_finding(need: int, shm_dir: str | None = None, held: int = 0) -> str | N
             "batch_size, num_workers or prefetch_factor")
 
 
-def large_containers(dataset, limit: int = LARGE_PYTHON_CONTAINER) -> list[str]:
-    """Attributes of ``dataset`` that are Python lists, tuples or dicts of ``limit`` or more
-    items: every worker touches their objects' refcounts and so copies the pages they sit on
-    (copy-on-read), growing each worker's memory towards the whole container's."""
-    found = []
-    for name, value in vars(dataset).items() if hasattr(dataset, "__dict__") else ():
-        if isinstance(value, (list, tuple, dict)) and len(value) >= limit:
-            found.append(f"{type(dataset).__name__}.{name} ({type(value).__name__} of "
-                         f"{len(value):,} items)")
-    return found
+def copy_on_read_findings(dataset, share, limit: int = LARGE_PYTHON_CONTAINER) -> list[str]:
+    """Large Python containers of the dataset that its workers will copy as they read them
+    (every read writes the objects' refcounts, copying the pages they sit on): those not
+    shared (``share``: the loader's ``shared.DatasetShare``; None: sharing is off).
 
+    (More workers than cores: torch's own check already warns. CUDA initialised before workers
+    fork is every GPU training loop's normal state, and harmless unless a worker uses CUDA: a
+    GPU decoder then raises a DecoderFault naming 'spawn'; no warning here.)"""
+    from .shared import containers
 
-def loader_findings(loader) -> list[str]:
-    findings = []  # (more workers than cores: torch's own check already warns)
-    big = large_containers(loader.dataset)
-    if big and loader.num_workers > 0:
-        findings.append(
-            "the dataset holds large Python containers: " + ", ".join(big) + ". Each worker's "
-            "memory grows towards their full size as it reads them (refcount writes copy pages); "
-            "keep them as NumPy arrays, bytes or Arrow instead")
-    # (CUDA initialised before workers fork is every GPU training loop's normal state, and
-    # harmless unless a worker uses CUDA: a GPU decoder then raises a DecoderFault naming
-    # 'spawn', and torch's own error says as much for the dataset's code; no warning here)
-    return findings
+    if share is None:
+        big = [f"{where} ({type(value).__name__} of {len(value):,} items)"
+               for where, _, _, value in containers(dataset, limit)]
+        remedy = "FASTMM_SHARE_DATASET=0 turned sharing them with the workers off"
+    else:
+        big = [f"{n.where} ({n.kind} of {n.items:,} items: {n.why})"
+               for n in share.not_shared if n.items >= limit]
+        remedy = ("only lists, tuples and dicts of str, bytes, int, float, bool and None are "
+                  "shared; keep the others as NumPy arrays, bytes or Arrow")
+    if not big:
+        return []
+    shared = "" if share is None or not share.shared else (
+        " (shared, read in place: " + ", ".join(s.where for s in share.shared) + ")")
+    return ["the dataset holds large Python containers its workers will copy as they read them: "
+            + ", ".join(big) + f". Each worker's memory grows towards their full size; {remedy}"
+            + shared]
 
 
 def warn_once(said: set, findings, stacklevel: int = 4) -> None:
@@ -138,6 +140,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch-factor", type=int, default=2)
     p.add_argument("--batch-mb", type=float, default=None,
                    help="bytes of one batch's tensors, in MiB (e.g. 32 clips of 16x3x224x224: 74)")
+    p.add_argument("--dataset", metavar="MODULE:NAME",
+                   help="your Dataset (or a function of no arguments that returns one): which of "
+                        "its Python containers the workers share, and the memory that saves")
     args = p.parse_args(argv)
     if args.batch_mb is not None and args.num_workers is None:
         p.error("--batch-mb needs --num-workers")
@@ -148,7 +153,30 @@ def main(argv=None) -> int:
     batch = None if args.batch_mb is None else int(args.batch_mb * 2**20)
     text, problem = report(args.num_workers, args.prefetch_factor, batch)
     print(text)
+    if args.dataset is not None:
+        print(dataset_report(args.dataset))
     return 1 if problem else 0
+
+
+def dataset_report(spec: str) -> str:
+    """What sharing does for the dataset ``spec`` names (``module:name``)."""
+    import importlib
+
+    from .shared import DatasetShare
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise SystemExit(f"fastmm-doctor: --dataset {spec!r}: give it as module:name")
+    dataset = getattr(importlib.import_module(module), name)
+    if isinstance(dataset, type) or (callable(dataset) and not hasattr(dataset, "__getitem__")):
+        dataset = dataset()  # (a class, or a function, that makes it)
+    share = DatasetShare.build(dataset)
+    try:
+        findings = copy_on_read_findings(dataset, share)
+        return "\n".join([f"dataset {spec}: " + share.describe(),
+                          *(f"WARNING: {f}" for f in findings)])
+    finally:
+        share.close()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the per-worker seeds, ``persistent_workers``, ``prefetch_factor`` and ``timeout`
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import os
 import types
@@ -33,9 +34,13 @@ from ._torch import T_co as _T_co  # torch's own names in the signature, as insp
 from ._torch import collate_fn_t as _collate_fn_t
 from ._torch import worker_init_fn_t as _worker_init_fn_t
 from .config import TransportConfig
+from .shared import DatasetShare
 from .slabs import SlabPool, cuda_page_locking
 from .telemetry import auto as auto_export
 from .telemetry.recorder import unwatched
+
+log = logging.getLogger("fastmm")
+
 
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
     __doc__ = (
@@ -147,8 +152,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         _call_as_torch(self.check_worker_number_rationality)
         from . import doctor  # (not at import: python -m fastmm.doctor runs it as __main__)
 
-        doctor.warn_once(self._findings_said, doctor.loader_findings(self))
-        return _SlabDataLoaderIter(self, restore)
+        it = _SlabDataLoaderIter(self, restore)
+        doctor.warn_once(self._findings_said, doctor.copy_on_read_findings(it._dataset, it._share))
+        return it
 
     def state_dict(self) -> dict:
         """Where the loader is in its epoch, as a small JSON-serialisable dict: a new loader
@@ -288,6 +294,10 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._table = TaskTable(self._num_workers, self._prefetch_factor, self._in_order)
         self._transport = loader.transport or TransportConfig.from_env()
+        # the dataset's large containers, shared with the workers instead of copied (shared.py)
+        self._share = DatasetShare.build(self._dataset) if self._transport.share_dataset else None
+        if self._share is not None and (self._share.shared or self._share.not_shared):
+            log.info("fastmm: %s", self._share.describe())
         # Workers run ahead by up to prefetch_factor batches each: keeping that many slabs in the
         # pool per worker, plus one, means a steady loop never creates or closes a slab.
         locking = self._pin_memory and self._pin_memory_device == "cuda"
@@ -299,9 +309,10 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
         for deadline in self._deadlines:
             deadline.enforced = True
         self._findings_said = loader._findings_said
-        self._worker_processes = WorkerProcesses(self._num_workers,
-                                loader.multiprocessing_context or torch.multiprocessing,
-                                self._slab_pool, _worker_spec(self, loader), _call_as_torch)
+        context = loader.multiprocessing_context or torch.multiprocessing
+        self._worker_processes = WorkerProcesses(
+            self._num_workers, context, self._slab_pool,
+            _worker_spec(self, loader, context.get_start_method()), _call_as_torch)
         restored = restore is not None and restore.base_seed is not None
         self._records = [WorkerRecord(rng=restore.worker_rng[i] if restored else None,
                                       iter_state=self._progress.worker_iter_states[i])
@@ -464,6 +475,8 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             self._worker_processes.forget()
             self._table.tasks = {}
             self._slab_pool.close()
+            if self._share is not None:
+                self._share.close()
 
     def __del__(self) -> None:
         # only where it was made: a forked child may collect its copy of an iterator. The
@@ -474,13 +487,17 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             self._shutdown_workers(join_s=0.2)
 
 
-def _worker_spec(it: _SlabDataLoaderIter, loader: DataLoader) -> WorkerSpec:
+def _worker_spec(it: _SlabDataLoaderIter, loader: DataLoader, start_method: str) -> WorkerSpec:
     """What every worker of the iterator ``it`` starts from."""
     init_fn = loader.worker_init_fn
     if isinstance(it._dataset, (IterDataPipe, MapDataPipe)):
         init_fn = functools.partial(_torch.sharding_worker_init_fn, init_fn, it._world_size,
                                     it._rank)
-    return WorkerSpec(dataset_kind=it._dataset_kind, dataset=it._dataset,
+    share, dataset = it._share, it._dataset
+    if share is not None:
+        dataset = share.for_workers(dataset, start_method)
+        share = share if start_method == "fork" and share.shared else None
+    return WorkerSpec(dataset_kind=it._dataset_kind, dataset=dataset, share=share,
                       auto_collation=it._auto_collation, collate_fn=it._collate_fn,
                       drop_last=it._drop_last, base_seed=it._base_seed, init_fn=init_fn,
                       num_workers=it._num_workers, transport=it._transport)

@@ -1,0 +1,251 @@
+"""Copy-on-read, side by side in one run: a Dataset whose index is plain Python objects, read by
+``--num-workers`` workers for one shuffled epoch by torch's DataLoader and by fastmm's.
+
+Two datasets, built once in the main process: ``lists``, ``--items`` paths and labels in two
+Python lists (what most custom Datasets hold); ``imagefolder``, torchvision's ImageFolder with
+its ``samples`` and ``targets`` set directly (``--items`` of them) and a loader that returns the
+path's length instead of opening a file, so the run measures the index, not decoding. Each
+worker's private memory (USS, psutil) is sampled every 0.2 s; the finding is the workers'
+peak private memory (summed over workers) against the dataset's size (the main process's RSS
+growth while it was built). Also the rate, and whether the two loaders gave the same batches.
+Then the time to the first batch with ``multiprocessing_context="spawn"`` and
+``"forkserver"`` (each worker sent the dataset). Loaders alternate in order each round;
+ratios are fastmm's over torch's, per round.
+Run: ``python -m fastmm.bench.copy_on_read --out DIR`` (``--quick``: 200,000 items, 3 rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import sys
+import threading
+import time
+
+import psutil
+import torch
+
+import fastmm
+
+from . import env, options, stats
+from .harness import OtherCores
+from .report import busy_notes, save_study
+
+LOADERS = {"torch": torch.utils.data.DataLoader, "fastmm": fastmm.DataLoader}
+SHARE_BAR = 0.3  # the workers' peak private memory over the dataset's size, at most
+
+
+class PathLabels(torch.utils.data.Dataset):
+    """A custom Dataset's usual index: a list of paths and a list of labels."""
+
+    def __init__(self, n: int):
+        self.paths = [f"/data/train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG" for i in range(n)]
+        self.labels = [i % 1000 for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return len(self.paths[i]), self.labels[i]
+
+
+def path_length(path: str) -> int:
+    """ImageFolder's loader here: the index is what is measured, not decoding."""
+    return len(path)
+
+
+def image_folder(n: int):
+    """torchvision's ImageFolder holding ``n`` samples, set directly (no tree of files)."""
+    from torchvision.datasets import ImageFolder
+
+    dataset = ImageFolder.__new__(ImageFolder)
+    dataset.root, dataset.loader, dataset.extensions = "/data/train", path_length, (".jpeg",)
+    dataset.transform = dataset.target_transform = None
+    dataset.classes = [f"n{c:08d}" for c in range(1000)]
+    dataset.class_to_idx = {name: c for c, name in enumerate(dataset.classes)}
+    dataset.samples = [(f"/data/train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG", i % 1000)
+                       for i in range(n)]
+    dataset.targets = [s[1] for s in dataset.samples]
+    dataset.imgs = dataset.samples
+    return dataset
+
+
+DATASETS = {"lists": PathLabels, "imagefolder": image_folder}
+
+
+def _uss(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).memory_full_info().uss
+    except (psutil.Error, OSError):
+        return None
+
+
+class _PrivateMemory:
+    """Each worker's USS every ``interval_s`` while the epoch runs; ``peak``: the largest sum."""
+
+    def __init__(self, pids: list[int], interval_s: float = 0.2):
+        self.pids, self.interval_s = pids, interval_s
+        self.series: list[tuple[float, list[int | None]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start = time.perf_counter()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.series.append((time.perf_counter() - self._start, [_uss(p) for p in self.pids]))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.series.append((time.perf_counter() - self._start, [_uss(p) for p in self.pids]))
+
+    @property
+    def peak(self) -> int:
+        return max(sum(u or 0 for u in row) for _, row in self.series)
+
+
+def epoch(kind: str, dataset, args) -> dict:
+    """One shuffled epoch: rate, the workers' private memory over it, the batches' digest."""
+    loader = LOADERS[kind](dataset, batch_size=args.batch_size, shuffle=True,
+                           num_workers=args.num_workers,
+                           generator=torch.Generator().manual_seed(args.seed))
+    digest, samples = hashlib.sha256(), 0
+    start = time.perf_counter()
+    it = iter(loader)
+    memory = _PrivateMemory([w.pid for w in it._workers])
+    for lengths, labels in it:
+        digest.update(lengths.numpy().tobytes())
+        digest.update(labels.numpy().tobytes())
+        samples += len(labels)
+    seconds = time.perf_counter() - start
+    memory.stop()
+    del it
+    gc.collect()
+    return {"loader": kind, "samples": samples, "seconds": seconds,
+            "samples_per_s": samples / seconds, "peak_private_bytes": memory.peak,
+            "series": [[t, row] for t, row in memory.series], "digest": digest.hexdigest()}
+
+
+def first_batch(kind: str, dataset, method: str, args) -> float:
+    """Seconds from iter() to the first batch, workers started by ``method``."""
+    loader = LOADERS[kind](dataset, batch_size=args.batch_size, shuffle=True,
+                           num_workers=args.num_workers, multiprocessing_context=method,
+                           generator=torch.Generator().manual_seed(args.seed))
+    start = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    seconds = time.perf_counter() - start
+    it._shutdown_workers()
+    del it
+    gc.collect()
+    return seconds
+
+
+def _rss() -> int:
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def run_dataset(name: str, args) -> dict:
+    before = _rss()
+    dataset = DATASETS[name](args.items)
+    size = _rss() - before
+    rounds = []
+    for r in range(args.rounds):
+        order = list(LOADERS) if r % 2 == 0 else list(LOADERS)[::-1]
+        with OtherCores() as others:
+            runs = {kind: epoch(kind, dataset, args) for kind in order}
+        ttfb = {}
+        for method in args.methods:
+            ttfb[method] = {kind: first_batch(kind, dataset, method, args) for kind in order}
+        rounds.append({"order": order, "runs": runs, "first_batch_s": ttfb,
+                       "other_processes_cpu_cores": others.cores})
+        print(f"[copy-on-read] {name} round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{k} {v['peak_private_bytes'] / 2**20:.0f} MiB {v['samples_per_s']:.0f}/s"
+            for k, v in runs.items()), file=sys.stderr, flush=True)
+    out = {"dataset": name, "items": args.items, "dataset_bytes": size, "rounds": rounds,
+           "same_batches": all(r["runs"]["torch"]["digest"] == r["runs"]["fastmm"]["digest"]
+                               for r in rounds)}
+    for kind in LOADERS:
+        out[f"{kind}_private_over_dataset"] = stats.summarize(
+            [r["runs"][kind]["peak_private_bytes"] / size for r in rounds])
+    out["rate_ratio"] = stats.summarize(stats.paired_ratios(
+        [r["runs"]["fastmm"]["samples_per_s"] for r in rounds],
+        [r["runs"]["torch"]["samples_per_s"] for r in rounds]))
+    out["first_batch_ratio"] = {m: stats.summarize(stats.paired_ratios(
+        [r["first_batch_s"][m]["fastmm"] for r in rounds],
+        [r["first_batch_s"][m]["torch"] for r in rounds])) for m in args.methods}
+    out["first_batch_s"] = {m: {k: stats.summarize([r["first_batch_s"][m][k] for r in rounds])
+                                for k in LOADERS} for m in args.methods}
+    return out
+
+
+def finding(result: dict) -> dict:
+    parts, met = [], True
+    for case in result["datasets"]:
+        ours, theirs = case["fastmm_private_over_dataset"], case["torch_private_over_dataset"]
+        met = met and ours["max"] <= SHARE_BAR and case["same_batches"]
+        parts.append(
+            f"{case['dataset']} ({case['items']:,} items, {case['dataset_bytes'] / 2**20:,.0f} "
+            f"MiB in the main process): the workers' peak private memory was "
+            f"{stats.interval(ours, 2, 'x')} the dataset's size with fastmm, "
+            f"{stats.interval(theirs, 2, 'x')} with torch; rate "
+            f"{stats.interval(case['rate_ratio'], 2, 'x')} torch's; first batch "
+            + ", ".join(f"{m} {stats.interval(r, 2, 'x')}"
+                        for m, r in case["first_batch_ratio"].items())
+            + " torch's time; " + ("the same batches" if case["same_batches"]
+                                   else "DIFFERENT batches"))
+    text = "; ".join(parts) + "."
+    label = (f"fastmm's workers held at most {SHARE_BAR}x the dataset in every round"
+             if met else f"a round over {SHARE_BAR}x the dataset, or different batches")
+    return {"text": text, "call": "roll out" if met else "roll back", "label": label}
+
+
+@options.command
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.copy_on_read", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=options.directory,
+                   default=os.path.join("bench-out", "copy-on-read"))
+    p.add_argument("--items", type=options.whole(1), default=2_000_000)
+    p.add_argument("--datasets", nargs="+", choices=sorted(DATASETS), default=list(DATASETS))
+    p.add_argument("--methods", nargs="*", choices=["spawn", "forkserver"],
+                   default=["spawn", "forkserver"], help="start methods timed to a first batch")
+    p.add_argument("--rounds", type=options.whole(1), default=6)
+    p.add_argument("--batch-size", type=options.whole(1), default=512)
+    p.add_argument("--num-workers", type=options.whole(1), default=4)
+    p.add_argument("--seed", type=options.whole(0), default=0)
+    p.add_argument("--quick", action="store_true", help="200,000 items, 3 rounds")
+    args = options.parse(p, argv, {"items": 200_000, "rounds": 3})
+    cases = [run_dataset(name, args) for name in args.datasets]
+    result = {"environment": env.capture(env.module_argv(__spec__, __name__)),
+              "batch_size": args.batch_size, "num_workers": args.num_workers,
+              "share_bar": SHARE_BAR, "datasets": cases,
+              "busy": busy_notes("copy-on-read", [r["other_processes_cpu_cores"]
+                                                  for c in cases for r in c["rounds"]])}
+    result["finding"] = finding(result)
+    rows = []
+    for c in cases:
+        for kind in LOADERS:
+            rows.append([c["dataset"], kind,
+                         stats.interval(c[f"{kind}_private_over_dataset"], 2, "x"),
+                         ", ".join(f"{r['runs'][kind]['peak_private_bytes'] / 2**20:.0f}"
+                                   for r in c["rounds"]),
+                         ", ".join(f"{r['runs'][kind]['samples_per_s']:.0f}"
+                                   for r in c["rounds"]),
+                         "; ".join(f"{m} {stats.interval(c['first_batch_s'][m][kind], 2, ' s')}"
+                                   for m in args.methods)])
+    save_study(args.out, "copy_on_read", result, "Workers' memory and a dataset held in Python "
+               "objects (copy-on-read)",
+               ["dataset", "loader", "peak private / dataset", "peak private MiB per round",
+                "samples/s per round", "time to the first batch"],
+               rows, [f"Command: `{result['environment']['command']}`."], [])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
