@@ -47,6 +47,8 @@ class WorkerProcesses:
                  warn_as_torch):
         self.context, self.slab_pool, self.spec = context, slab_pool, spec
         self.owner_pid = os.getpid()
+        if context.get_start_method() == "forkserver":
+            preload_in_forkserver(context)
         self.done_event = StopFlag(context)
         self.processes: list = [None] * num_workers
         self.index_queues: list = [None] * num_workers
@@ -166,6 +168,17 @@ class WorkerProcesses:
 
 
 @atexit.register
+def preload_in_forkserver(context) -> None:
+    """Have the forkserver, if it has not started yet, import what every worker imports (torch,
+    fastmm's worker side) once, beside what it preloads already (``__main__``), so that each
+    worker it forks has them instead of importing them anew: seconds per worker."""
+    from multiprocessing import forkserver
+
+    modules = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    if "fastmm._workers" not in modules:
+        context.set_forkserver_preload(modules + ["fastmm._workers"])
+
+
 def _close_open_workers() -> None:
     """At exit, close the channels of pools still open (persistent workers), as their own
     shutdown would: torch skips that shutdown at exit, and the workers then see their loop gone.
