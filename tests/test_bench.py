@@ -844,6 +844,8 @@ def _bad_command_lines(tmp_path):
                  "--arms", "fastmm,bogus"]),
         ("mmcorpus", ["--out", str(a_file)]),
         ("worker_memory", ["--samples", "0"]),
+        ("copy_on_read", ["--items", "0"]),
+        ("copy_on_read", ["--datasets", "bogus"]),
     ]
 
 
@@ -944,4 +946,28 @@ def test_worker_memory_run_follows_each_workers_rss_in_both_modes(tmp_path):
     assert result["busy"] == busy_notes("worker memory",
                                         [r["other_processes_cpu_cores"] for r in result["runs"]])
     assert result["finding"]["call"] in ("roll out", "roll back", "undecided")
+    assert (out / "report.html").exists()
+
+
+@pytest.mark.slow
+def test_copy_on_read_run_measures_both_loaders_private_memory_and_first_batch(tmp_path):
+    """The copy-on-read benchmark (here small): both loaders, the same batches, each worker's
+    private memory over the epoch, the first batch timed in a process of its own, a finding."""
+    from fastmm.bench import copy_on_read
+
+    out = tmp_path / "out"
+    assert copy_on_read.main(["--items", "20000", "--rounds", "2", "--num-workers", "2",
+                              "--datasets", "lists", "--methods", "forkserver",
+                              "--out", str(out)]) == 0
+    result = json.loads((out / "copy_on_read.json").read_text())
+    (case,) = result["datasets"]
+    assert case["same_batches"] and case["dataset_bytes"] > 0
+    for r in case["rounds"]:
+        for kind in ("torch", "fastmm"):
+            run = r["runs"][kind]
+            assert run["samples"] == 20000 and run["peak_private_bytes"] > 0
+            assert all(len(row) == 2 for _, row in run["series"])  # each worker, each sample
+            assert r["first_batch_s"]["forkserver"][kind] > 0
+    assert case["fastmm_private_over_dataset"]["n"] == 2
+    assert result["finding"]["call"] in ("roll out", "roll back")
     assert (out / "report.html").exists()

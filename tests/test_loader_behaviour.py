@@ -1190,3 +1190,27 @@ def test_a_garbage_collection_in_a_worker_copies_no_inherited_pages():
     grown = json.loads(run.stdout.strip().splitlines()[-1])
     assert grown["torch"] > 16 * 2**20, grown  # the effect is there to be avoided
     assert grown["fastmm"] < 4 * 2**20, grown
+
+
+_FORKSERVER_SCRIPT = """
+import sys
+sys.path.insert(0, {tests_dir!r})
+import psutil
+import fastmm
+from _datasets import SampleDataset
+it = iter(fastmm.DataLoader(SampleDataset(8), batch_size=2, num_workers=1,
+                            multiprocessing_context="forkserver"))
+next(it)
+(server,) = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+print(any("libtorch" in m.path for m in server.memory_maps()), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_forkserver_imports_torch_once_for_every_worker_it_forks():
+    """Under forkserver, fastmm has the server preload its worker side (torch): each worker is
+    forked with torch imported, instead of importing it anew (seconds per worker)."""
+    script = _FORKSERVER_SCRIPT.format(tests_dir=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["True"], done.stderr[-2000:]

@@ -167,7 +167,6 @@ class WorkerProcesses:
         _OPEN_WORKERS.pop(id(self), None)
 
 
-@atexit.register
 def preload_in_forkserver(context) -> None:
     """Have the forkserver, if it has not started yet, import what every worker imports (torch,
     fastmm's worker side) once, beside what it preloads already (``__main__``), so that each
@@ -179,6 +178,7 @@ def preload_in_forkserver(context) -> None:
         context.set_forkserver_preload(modules + ["fastmm._workers"])
 
 
+@atexit.register
 def _close_open_workers() -> None:
     """At exit, close the channels of pools still open (persistent workers), as their own
     shutdown would: torch skips that shutdown at exit, and the workers then see their loop gone.
