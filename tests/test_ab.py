@@ -216,3 +216,17 @@ def test_without_workers_there_is_no_loader_to_compare():
     assert [a.name for a in chosen] == ["torch", f"num_workers={ab.env.usable_cores()}"]
     why = {x["arm"]: x["why"] for x in skipped}
     assert "is torch's DataLoader" in why["fastmm"] and why["prefetch_factor"].startswith("no workers")
+
+
+def test_the_baseline_profile_names_copy_on_read_when_its_workers_grew():
+    from fastmm.bench.ab import COPY_ON_READ_BYTES, bottleneck
+
+    reps = [{"queue_wait_share": 0.5}] * 3
+    for grown, said in ((COPY_ON_READ_BYTES * 2, True), (COPY_ON_READ_BYTES // 2, False),
+                        (None, False)):
+        metrics = {"worker_uss_growth_bytes": grown and {"max": grown}}
+        observed = bottleneck({"metrics": metrics}, reps)["observed"]
+        named = [x for x in observed if x.startswith("copy-on-read: ")]
+        assert bool(named) is said
+        if said:
+            assert f"grew by up to {grown / 2**20:,.0f} MiB" in named[0]

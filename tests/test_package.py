@@ -46,3 +46,25 @@ def test_public_names_and_submodules_resolve_on_first_use():
     assert set(fastmm.__all__) <= set(dir(fastmm))
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing'"):
         fastmm.NoSuchThing
+
+
+LOADER_SIDE = ("loader.py", "_workers.py", "_processes.py", "_receiver.py", "_respawn.py",
+               "_tasks.py", "_messages.py", "collate.py", "_batch_fill.py", "slabs.py",
+               "resume.py", "shared.py", "_torch.py", "_native.py", "offers.py")
+MOST_LINES = 250  # a class, with the fastmm classes it is mixed from (issue 52)
+
+
+def test_no_loader_side_class_is_over_250_lines_with_its_fastmm_bases():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(fastmm.__file__).parent
+    classes = {}
+    for name in LOADER_SIDE:
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+                classes[node.name] = (node.end_lineno - node.lineno + 1, bases, name)
+    for cls, (lines, bases, name) in classes.items():
+        total = lines + sum(classes[b][0] for b in bases if b in classes)
+        assert total <= MOST_LINES, f"{name}: {cls} and its fastmm bases are {total} lines"

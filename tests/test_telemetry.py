@@ -1093,3 +1093,32 @@ def test_every_worker_of_a_large_loader_writes_a_ring_of_its_own():
         with pytest.raises(ValueError, match=f"unknown stage '{timed_already}'"):
             stage(timed_already)
     tm.unwatch()
+
+
+class ReadsItsList(torch.utils.data.Dataset):
+    """Its index in a Python list of 300,000 paths (about 20 MiB of objects); each sample
+    reads a stretch of it, as a Dataset's __getitem__ reads its paths."""
+
+    def __init__(self):
+        self.paths = [f"/data/train/{i:012d}.jpg" for i in range(300_000)]
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, i):
+        time.sleep(0.03)  # (time for the sweeps)
+        return sum(len(p) for p in self.paths[i * 10_000:(i + 1) * 10_000])
+
+
+@pytest.mark.slow
+def test_copy_on_read_shows_as_worker_private_memory_growth():
+    """torch's forked workers copy the pages of the objects they read (refcount writes): their
+    USS grows by what they read; fastmm's read the list from the shared copy and do not."""
+    grown = {}
+    for name, cls in LOADERS.items():
+        tm = Telemetry(interval_s=0.05, pss_interval_s=0.05)
+        assert len(list(tm.watch(cls(ReadsItsList(), batch_size=1, num_workers=2)))) == 30
+        grown[name] = tm.summary()["metrics"]["worker_uss_growth_bytes"]
+        assert grown[name]["count"] == 2  # each worker, from its first sweep to its last
+    assert grown["torch"]["max"] >= 6 << 20, grown  # about half the list's pages each
+    assert grown["fastmm"]["max"] <= 3 << 20, grown

@@ -534,6 +534,9 @@ def decide(entry: dict) -> tuple[str, str]:
     return call, label
 
 
+COPY_ON_READ_BYTES = 64 << 20  # a worker's private memory grown by this much: said
+
+
 def bottleneck(profile: dict, reps: list[dict]) -> dict:
     """The baseline's observed bottleneck, from its measurements only."""
     waited = stats.summarize([r["queue_wait_share"] for r in reps])
@@ -550,6 +553,13 @@ def bottleneck(profile: dict, reps: list[dict]) -> dict:
     elif waited:
         observed.append(f"step-bound: the loop waited for batches only {waited['median']:.0%} "
                         "of its time; a faster loader cannot speed this step up much")
+    grown = m.get("worker_uss_growth_bytes")
+    if grown and grown["max"] >= COPY_ON_READ_BYTES:
+        observed.append(
+            f"copy-on-read: each worker's private memory (USS) grew by up to "
+            f"{grown['max'] / 2**20:,.0f} MiB while it ran: a forked worker copies the pages of "
+            "the dataset's Python objects it reads (fastmm shares the dataset's lists, tuples "
+            "and dicts instead: docs/loader.md)")
     hypotheses = []
     if not any(m.get(k) for k in ("read_s", "decode_s", "augment_s")):
         hypotheses.append("where inside __getitem__ the time goes is not measured: the Dataset "

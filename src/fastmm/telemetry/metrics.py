@@ -38,6 +38,9 @@ METRICS: dict[str, str] = {
     "worker_rss_bytes": "each worker's RSS, sampled (all workers pooled)",
     "worker_pss_bytes": "each worker's PSS, sampled (all workers pooled)",
     "worker_uss_bytes": "each worker's USS (memory only it maps), sampled (all workers pooled)",
+    "worker_uss_growth_bytes": "each worker's USS at its last sweep over its first: memory it "
+                               "made its own while it ran; reading a dataset's Python objects "
+                               "in a forked worker grows it (copy-on-read)",
     "total_pss_bytes": "main + all workers PSS, sampled",
     "loader_host_bytes": "host memory the loader added, sampled with PSS: Pss_Anon of main + "
                          "workers over the main's before the epoch, + shm_bytes (its batches "

@@ -580,6 +580,7 @@ class _SampledStats:
         self._lock = threading.Lock()  # rows come from the sampler thread
         self._values = {name: Distribution() for name in self._NAMES}
         self._host_peak = None
+        self._uss_seen: dict[int, list[int]] = {}  # worker pid -> [first USS, last USS]
         self._gpu_idle = 0
         self._net_done = self._net_now = 0  # bytes received in ended samplers, and this one
 
@@ -591,6 +592,9 @@ class _SampledStats:
                 pss, uss = row["pss_bytes"], row["uss_bytes"]
                 v["worker_pss_bytes"].extend([x for x in pss[1:] if x is not None])
                 v["worker_uss_bytes"].extend([x for x in uss[1:] if x is not None])
+                for pid, u in zip(row["pids"][1:], uss[1:]):
+                    if u is not None:
+                        self._uss_seen.setdefault(pid, [u, u])[1] = u
                 if None not in pss:  # (a worker gone, the main's PSS takes in what they shared)
                     v["main_pss_bytes"].add(pss[0])
                     v["total_pss_bytes"].add(sum(pss))
@@ -618,6 +622,9 @@ class _SampledStats:
         with self._lock:
             out = {name: values.summary() for name, values in self._values.items()}
             out["host_used_peak_bytes"] = self._host_peak
+            growth = Distribution()  # (a worker swept once has grown by nothing it shows)
+            growth.extend([last - first for first, last in self._uss_seen.values()])
+            out["worker_uss_growth_bytes"] = growth.summary()
             if self._host_peak is not None and wall_s > 0:
                 out["net_bytes_per_s"] = (self._net_done + self._net_now) / wall_s
             gpu = self._values["gpu_util_percent"].count
