@@ -307,3 +307,12 @@ def test_no_file_or_mapping_is_left_after_the_loader_ends():
     del it
     gc.collect()
     assert maps() == 0 and fds() == 0
+
+
+def test_a_dataset_watched_by_telemetry_is_shared_too():
+    """Telemetry wraps the dataset to time it; the containers of the one it wraps are shared."""
+    from fastmm.telemetry import Telemetry
+
+    tm = Telemetry()
+    got = _epoch(tm.watch(fastmm.DataLoader(Paths(), batch_size=512, num_workers=2)))
+    assert {kinds for _, _, kinds in got} == {"SSSS"}

@@ -1096,18 +1096,18 @@ def test_every_worker_of_a_large_loader_writes_a_ring_of_its_own():
 
 
 class ReadsItsList(torch.utils.data.Dataset):
-    """Its index in a Python list of 300,000 paths (about 20 MiB of objects); each sample
+    """Its index in a Python list of 1,000,000 paths (about 75 MiB of objects); each sample
     reads a stretch of it, as a Dataset's __getitem__ reads its paths."""
 
     def __init__(self):
-        self.paths = [f"/data/train/{i:012d}.jpg" for i in range(300_000)]
+        self.paths = [f"/data/train/{i:012d}.jpg" for i in range(1_000_000)]
 
     def __len__(self):
-        return 30
+        return 40
 
     def __getitem__(self, i):
-        time.sleep(0.03)  # (time for the sweeps)
-        return sum(len(p) for p in self.paths[i * 10_000:(i + 1) * 10_000])
+        time.sleep(0.05)  # (time for the sweeps: the first at 0.5 s, then more often)
+        return sum(len(p) for p in self.paths[i * 25_000:(i + 1) * 25_000])
 
 
 @pytest.mark.slow
@@ -1117,8 +1117,10 @@ def test_copy_on_read_shows_as_worker_private_memory_growth():
     grown = {}
     for name, cls in LOADERS.items():
         tm = Telemetry(interval_s=0.05, pss_interval_s=0.05)
-        assert len(list(tm.watch(cls(ReadsItsList(), batch_size=1, num_workers=2)))) == 30
+        assert len(list(tm.watch(cls(ReadsItsList(), batch_size=1, num_workers=2)))) == 40
         grown[name] = tm.summary()["metrics"]["worker_uss_growth_bytes"]
         assert grown[name]["count"] == 2  # each worker, from its first sweep to its last
-    assert grown["torch"]["max"] >= 6 << 20, grown  # about half the list's pages each
-    assert grown["fastmm"]["max"] <= 3 << 20, grown
+    # each torch worker copies the pages of what it reads after its first sweep (most of its
+    # half of the list: 36 MiB here); a fastmm worker grows only as any worker settles in
+    # (15 MiB here: pages of the interpreter it writes, its heap)
+    assert grown["torch"]["p50"] >= grown["fastmm"]["max"] + (12 << 20), grown

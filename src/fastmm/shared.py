@@ -479,7 +479,7 @@ class Placement(NamedTuple):
     shared: Shared
 
 
-def _python_bytes(obj) -> int:
+def python_bytes(obj) -> int:
     """About how much memory ``obj``'s objects take, from up to 1,000 of its items."""
     items = list(obj.items()) if type(obj) is dict else obj
     sample = [items[i] for i in range(0, len(items), max(1, len(items) // 1000))]
@@ -496,7 +496,8 @@ def _python_bytes(obj) -> int:
 
 
 def _datasets(dataset):
-    """(path, object) for the dataset and the datasets it wraps (``.dataset``, ``.datasets``)."""
+    """(path, object) for the dataset and the datasets it wraps (``.dataset``, ``.datasets``,
+    and the one a telemetry wrapper watches, ``fastmm_wrapped``, under the same path)."""
     level, seen = [("dataset", dataset)], set()
     for _ in range(_DEPTH + 1):
         inner = []
@@ -505,6 +506,8 @@ def _datasets(dataset):
                 continue
             seen.add(id(d))
             yield path, d
+            if getattr(type(d), "fastmm_wrapped", None) is not None:  # telemetry's wrappers
+                inner.append((path, d.fastmm_wrapped))
             if getattr(d, "dataset", None) is not None:
                 inner.append((path + ".dataset", d.dataset))
             datasets = getattr(d, "datasets", None)
@@ -539,7 +542,15 @@ class DatasetShare:
 
     Built in the main process before workers start (``build``); a forked worker puts the
     shared containers in place of its inherited ones (``install``); a spawned one is sent the
-    dataset with them in place (``for_workers``)."""
+    dataset with them in place (``for_workers``).
+
+    Args:
+        fd: the memfd holding the buffer (-1: nothing shared).
+        size: its bytes.
+        placements: where each shared container goes in a worker.
+        shared: what is shared.
+        not_shared: the large containers left as they are, and why.
+    """
 
     def __init__(self, fd: int, size: int, placements: list, shared: list[Shared],
                  not_shared: list[NotShared]):
@@ -566,7 +577,7 @@ class DatasetShare:
                     done[id(value)] = None
                     continue
                 done[id(value)] = Shared(where, type(value).__name__, len(value),
-                                         _python_bytes(value), at)
+                                         python_bytes(value), at)
                 shared.append(done[id(value)])
             if done[id(value)] is not None:
                 placements.append(Placement(owner, name, value, done[id(value)]))

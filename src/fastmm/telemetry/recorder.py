@@ -286,6 +286,11 @@ class _Forwarding:
         else:
             setattr(getattr(self, self._OWN[0]), name, value)
 
+    @property
+    def fastmm_wrapped(self):
+        """The wrapped object, for what must reach it and not its attributes (shared.py)."""
+        return getattr(self, self._OWN[0])
+
 
 class TimedDataset(_Forwarding, torch.utils.data.Dataset):
     """A map-style dataset that records each __getitem__ as a "sample" span (unless the dataset
