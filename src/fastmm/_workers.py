@@ -111,8 +111,8 @@ def _exit_when_orphaned(start_method: str, main_pid: int | None) -> None:
     is the loader's process. Under forkserver the parent is the forkserver, which ends once no
     process holds its "alive" pipe, and each of its children inherits one: this worker closes
     its own, so the forkserver ends with the loader's process, and this worker with it. A
-    daemon thread also waits for the end of the loader's process wherever the parent is another (it needs
-    the GIL), or where the signal cannot be set (no prctl)."""
+    daemon thread also waits for the end of the loader's process wherever the parent is another
+    (it needs the GIL), or where the signal cannot be set (no prctl)."""
     parent = os.getppid()
     if start_method == "forkserver":
         _let_the_forkserver_end()

@@ -1,9 +1,10 @@
 """Pre-flight checks: what will make a loader fail or slow down later, said before it does.
 
-``fastmm.DataLoader`` warns of ``copy_on_read_findings`` when its workers start (each finding once
-per loader, as a ``FastmmWarning``) and checks shared memory against the slab pool once the first batch
-shows its size. ``python -m fastmm.doctor`` (or ``fastmm-doctor``) prints the same checks for
-this machine and, given a batch size in bytes, the shared memory a configuration needs.
+``fastmm.DataLoader`` warns of ``copy_on_read_findings`` when its workers start (each finding
+once per loader, as a ``FastmmWarning``) and checks shared memory against the slab pool once the
+first batch shows its size. ``python -m fastmm.doctor`` (or ``fastmm-doctor``) prints the same
+checks for this machine and, given a batch size in bytes, the shared memory a configuration
+needs; given ``--dataset``, what the dataset's workers share.
 """
 
 from __future__ import annotations
