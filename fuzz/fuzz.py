@@ -451,7 +451,7 @@ class _StateTarget:
             loader.load_state_dict(state)
         except ValueError:
             return
-        p = loader.__dict__["_fastmm_progress"]  # what the next iterator would start from
+        p = loader._progress  # what the next iterator would start from
         with resume.KeepRng(loader.generator):
             for rng in p.worker_rng:
                 if rng is not None:
