@@ -493,10 +493,8 @@ def _worker_spec(it: _SlabDataLoaderIter, loader: DataLoader, start_method: str)
     if isinstance(it._dataset, (IterDataPipe, MapDataPipe)):
         init_fn = functools.partial(_torch.sharding_worker_init_fn, init_fn, it._world_size,
                                     it._rank)
-    share, dataset = it._share, it._dataset
-    if share is not None:
-        dataset = share.for_workers(dataset, start_method)
-        share = share if start_method == "fork" and share.shared else None
+    dataset, share = (it._dataset, None) if it._share is None else it._share.for_workers(
+        it._dataset, start_method)
     return WorkerSpec(dataset_kind=it._dataset_kind, dataset=dataset, share=share,
                       auto_collation=it._auto_collation, collate_fn=it._collate_fn,
                       drop_last=it._drop_last, base_seed=it._base_seed, init_fn=init_fn,

@@ -244,6 +244,18 @@ class _Column:
     def _tupl(self, i: int) -> tuple:
         return tuple([get(i) for get in self.getters])
 
+    def at(self, i, what: str):
+        """Item ``i`` as a ``what`` (list, tuple) takes an index: negative, or any object with
+        ``__index__``; its errors in their words."""
+        return self.get(_index(i, self.n, what))
+
+    def take(self, part: slice) -> list:
+        return [self.get(j) for j in range(*part.indices(self.n))]
+
+    def __iter__(self):
+        get = self.get
+        return (get(j) for j in range(self.n))
+
 
 def _index(i, n: int, what: str) -> int:
     try:
@@ -261,8 +273,6 @@ def _index(i, n: int, what: str) -> int:
 class SharedTuple(Sequence):
     """A tuple of the dataset's, read in place from the shared buffer."""
 
-    _what = "tuple"
-
     def __init__(self, buf, at: int):
         self._items = _Column(buf, at)
 
@@ -270,19 +280,13 @@ class SharedTuple(Sequence):
         return self._items.n
 
     def __getitem__(self, i):
-        if type(i) is int and 0 <= i < self._items.n:  # (the common case, first)
-            return self._items.get(i)
-        if isinstance(i, slice):
-            return self._of([self._items.get(j) for j in range(*i.indices(self._items.n))])
-        return self._items.get(_index(i, self._items.n, self._what))
+        items = self._items
+        if type(i) is int and 0 <= i < items.n:  # (the common case, first)
+            return items.get(i)
+        return tuple(items.take(i)) if isinstance(i, slice) else items.at(i, "tuple")
 
     def __iter__(self):
-        get = self._items.get
-        return (get(j) for j in range(self._items.n))
-
-    @staticmethod
-    def _of(items: list):
-        return tuple(items)
+        return iter(self._items)
 
     def __eq__(self, other):
         if isinstance(other, (tuple, SharedTuple)):
@@ -303,8 +307,6 @@ class SharedList(MutableSequence):
     """A list of the dataset's, read in place from the shared buffer until the worker changes
     it: then it is the worker's own list."""
 
-    _what = "list"
-
     def __init__(self, buf, at: int):
         self._items = _Column(buf, at)
         self._own: list | None = None
@@ -320,17 +322,13 @@ class SharedList(MutableSequence):
     def __getitem__(self, i):
         if self._own is not None:
             return self._own[i]
-        if type(i) is int and 0 <= i < self._items.n:  # (the common case, first)
-            return self._items.get(i)
-        if isinstance(i, slice):
-            return [self._items.get(j) for j in range(*i.indices(self._items.n))]
-        return self._items.get(_index(i, self._items.n, self._what))
+        items = self._items
+        if type(i) is int and 0 <= i < items.n:  # (the common case, first)
+            return items.get(i)
+        return items.take(i) if isinstance(i, slice) else items.at(i, "list")
 
     def __iter__(self):
-        if self._own is not None:
-            return iter(self._own)
-        get = self._items.get
-        return (get(j) for j in range(self._items.n))
+        return iter(self._own if self._own is not None else self._items)
 
     def __setitem__(self, i, value) -> None:
         self._mine()[i] = value
@@ -374,7 +372,7 @@ class SharedDict(MutableMapping):
     def __init__(self, buf, at: int):
         kind, self._n = _HEADER.unpack_from(buf, at)
         body = at + _HEADER.size
-        key_at, value_at = struct.unpack_from("<qq", buf, body)
+        key_at, value_at = _PAIR(buf, body)
         self._keys, self._values = _Column(buf, key_at), _Column(buf, value_at)
         self._buf, self._hashes = buf, body + 16  # the keys' hashes, sorted
         self._order = self._hashes + 8 * self._n  # the key of each, by its place in the dict
@@ -396,14 +394,14 @@ class SharedDict(MutableMapping):
             else:
                 hi = mid
         while lo < self._n and self._hash(lo) == h:
-            i = struct.unpack_from("<q", self._buf, self._order + 8 * lo)[0]
+            i = _INT(self._buf, self._order + 8 * lo)[0]
             if self._keys.get(i) == key:
                 return i
             lo += 1
         raise KeyError(key)
 
     def _hash(self, j: int) -> int:
-        return struct.unpack_from("<q", self._buf, self._hashes + 8 * j)[0]
+        return _INT(self._buf, self._hashes + 8 * j)[0]
 
     def __getitem__(self, key):
         if self._own is not None:
@@ -423,10 +421,7 @@ class SharedDict(MutableMapping):
         return len(self._own) if self._own is not None else self._n
 
     def __iter__(self):
-        if self._own is not None:
-            return iter(self._own)
-        get = self._keys.get
-        return (get(i) for i in range(self._n))
+        return iter(self._own if self._own is not None else self._keys)
 
     def __setitem__(self, key, value) -> None:
         self._mine()[key] = value
@@ -624,13 +619,16 @@ class DatasetShare:
             _KEPT.append(p.original)
             vars(p.owner)[p.name] = proxies[id(p.original)]
 
-    def for_workers(self, dataset, start_method: str):
-        """What a worker's spec carries as its dataset: the dataset itself under fork (the
-        worker calls ``install``), else one that pickles the shared containers as places in
-        the buffer."""
-        if start_method == "fork" or not self.shared:
-            return dataset
-        return _SentDataset(dataset, self)
+    def for_workers(self, dataset, start_method: str) -> tuple:
+        """(what a worker's spec carries as its dataset, the share it installs or None): under
+        fork the dataset itself and this share (the worker calls ``install``), else a dataset
+        that pickles the shared containers as places in the buffer; nothing shared: the
+        dataset and None."""
+        if not self.shared:
+            return dataset, None
+        if start_method == "fork":
+            return dataset, self
+        return _SentDataset(dataset, self), None
 
     def close(self) -> None:
         if self._buf is not None:  # (nothing shared: nothing to close)
