@@ -153,7 +153,7 @@ def test_the_doctor_says_what_a_dataset_shares_and_saves(tmp_path, monkeypatch, 
         "def make():\n"
         "    return Index()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for spec in ("user_data:make", "user_data:Index"):
+    for spec in ("user_data:make", "user_data:Index", f"{tmp_path}/user_data.py:make"):
         doctor.main(["--dataset", spec])
         out = capsys.readouterr().out
         assert "dataset.paths: list of 200,000 items" in out

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch-factor", type=int, default=2)
     p.add_argument("--batch-mb", type=float, default=None,
                    help="bytes of one batch's tensors, in MiB (e.g. 32 clips of 16x3x224x224: 74)")
-    p.add_argument("--dataset", metavar="MODULE:NAME",
+    p.add_argument("--dataset", metavar="MODULE:NAME|FILE.py:NAME",
                    help="your Dataset (or a function of no arguments that returns one): which of "
                         "its Python containers the workers share, and the memory that saves")
     args = p.parse_args(argv)
@@ -160,15 +160,18 @@ def main(argv=None) -> int:
 
 
 def dataset_report(spec: str) -> str:
-    """What sharing does for the dataset ``spec`` names (``module:name``)."""
-    import importlib
-
+    """What sharing does for the dataset ``spec`` names (``module:name`` or ``file.py:name``,
+    as ``fastmm-bench --dataset`` takes it)."""
+    from .bench.ab import TargetError, find_target
     from .shared import DatasetShare
 
-    module, _, name = spec.partition(":")
+    module, _, name = spec.rpartition(":")
     if not module or not name:
         raise SystemExit(f"fastmm-doctor: --dataset {spec!r}: give it as module:name")
-    dataset = getattr(importlib.import_module(module), name)
+    try:
+        dataset = find_target(spec, "--dataset")
+    except TargetError as e:
+        raise SystemExit(f"fastmm-doctor: {e}") from None
     if isinstance(dataset, type) or (callable(dataset) and not hasattr(dataset, "__getitem__")):
         dataset = dataset()  # (a class, or a function, that makes it)
     share = DatasetShare.build(dataset)

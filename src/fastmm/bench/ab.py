@@ -68,6 +68,16 @@ class TargetError(Exception):
 
 def load_target(text: str, flag: str) -> Callable:
     """The callable ``text`` names (``module:name`` or ``file.py:name``)."""
+    obj = find_target(text, flag)
+    if not callable(obj):
+        raise TargetError(f"{flag} {text!r}: {text.rpartition(':')[2]} is not callable (it is "
+                          f"{type(obj).__name__} {obj!r:.40})")
+    return obj
+
+
+def find_target(text: str, flag: str):
+    """The object ``text`` names (``module:name`` or ``file.py:name``), its module imported
+    (a file's put on sys.path), or a TargetError in one line."""
     where, sep, name = text.rpartition(":")
     if not sep or not where or not name:
         raise TargetError(f"{flag} {text!r}: expected MODULE:CALLABLE or path/to/FILE.py:CALLABLE")
@@ -83,9 +93,6 @@ def load_target(text: str, flag: str) -> Callable:
         if not hasattr(obj, part):
             raise TargetError(f"{flag} {text!r}: {where} has no {name!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise TargetError(f"{flag} {text!r}: {name} is not callable (it is {type(obj).__name__} "
-                          f"{obj!r:.40})")
     return obj
 
 
