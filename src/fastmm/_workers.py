@@ -33,7 +33,18 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 # any decoded image under 4K x 4K (glibc's default starts at 128 KiB and only rises as mapped
 # blocks are freed).
 REUSE_MMAP_THRESHOLD = 32 << 20
-REUSE_TRIM_THRESHOLD = 256 << 20  # free memory kept at the heap's top before it is returned
+# Free memory kept at the heap's top before it is returned: at least this much (a decoded photo
+# or two, made and freed every sample), and twice the largest batch the worker has written (what
+# a batch's samples free at once when they are held until it is collated). 256 MiB whatever the
+# batch kept ~10 MiB a worker more than torch's on a PIL pipeline at batch 32 (issue 53).
+REUSE_TRIM_FLOOR = 32 << 20
+
+
+def _mallopt():
+    try:
+        return ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
 
 
 def reuse_freed_memory() -> bool:
@@ -42,12 +53,17 @@ def reuse_freed_memory() -> bool:
     past a few MB, larger blocks are mappings of their own) and faults every page of the next
     batch's in again (docs/loader.md). True if glibc took the settings (False elsewhere:
     another libc, or none found)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return (mallopt(_M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD) == 1
-            and mallopt(_M_TRIM_THRESHOLD, REUSE_TRIM_THRESHOLD) == 1)
+    mallopt = _mallopt()
+    return (mallopt is not None and mallopt(_M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD) == 1
+            and mallopt(_M_TRIM_THRESHOLD, REUSE_TRIM_FLOOR) == 1)
+
+
+def keep_free_heap_for(batch_bytes: int) -> None:
+    """Keep up to twice ``batch_bytes`` (at least REUSE_TRIM_FLOOR) free at the heap's top, so
+    that what a batch of that size frees serves the next (after ``reuse_freed_memory()``)."""
+    mallopt = _mallopt()
+    if mallopt is not None:
+        mallopt(_M_TRIM_THRESHOLD, max(REUSE_TRIM_FLOOR, 2 * batch_bytes))
 
 
 def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -178,10 +194,9 @@ def worker_loop(spec: WorkerSpec) -> None:
             spec.share.install()
         _exit_when_orphaned(spec.start_method, spec.main_pid)
         _torch.set_worker_signal_handlers()
-        if spec.transport.worker_malloc == "reuse":
-            reuse_freed_memory()
+        reusing = spec.transport.worker_malloc == "reuse" and reuse_freed_memory()
         torch.set_num_threads(1)
-        _Worker(spec).serve()
+        _Worker(spec, reusing).serve()
     except KeyboardInterrupt:
         pass
     except (BrokenPipeError, ConnectionResetError, EOFError):
@@ -202,8 +217,11 @@ class _Worker:
     """One worker's state between tasks: its dataset and fetcher, its slab writer, and what
     it last sent of its RNG, iterator and skip-count states."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, reusing: bool = False):
         self.spec = spec
+        # glibc keeps freed memory for the next samples (reuse_freed_memory), as much as the
+        # largest batch written so far calls for
+        self.heap_kept_for = 0 if reusing else None
         worker_id = spec.worker_id
         seed = spec.base_seed + worker_id
         random.seed(seed)
@@ -301,6 +319,9 @@ class _Worker:
             payload, status = collate.pack(self.error(), self.writer), "error"
         del outcome
         used, new = self.writer.finish()
+        if self.heap_kept_for is not None and self.writer.batch_bytes > self.heap_kept_for:
+            self.heap_kept_for = self.writer.batch_bytes
+            keep_free_heap_for(self.heap_kept_for)
         # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
         self.spec.result_conn.send_bytes(pickle.dumps(
             Result(task.send_idx, status, payload, used, new, self.rng_changes.changed(),

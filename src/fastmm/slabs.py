@@ -292,6 +292,7 @@ class SlabWriter:
         self._batch: list[list[int]] = []  # [slot, bytes used] for the batch being written
         self._created: list[int] = []  # slots created for this batch, not yet sent
         self.loop_spare_s = 0.0  # set from each task: the loop's last step outside next()
+        self.batch_bytes = 0  # what the last finished batch took in slabs
 
     @property
     def gather(self):
@@ -370,7 +371,7 @@ class SlabWriter:
         """End the batch: send new slabs' fds; return the slots it used and the slabs it
         created."""
         used = [slot for slot, _ in self._batch]
-        nbytes = sum(n for _, n in self._batch)
+        nbytes = self.batch_bytes = sum(n for _, n in self._batch)
         if self._table is not None:
             self._table.note_batch(nbytes)
         refill_s = _REFILL_S_PER_BYTE * nbytes
