@@ -968,6 +968,9 @@ def test_copy_on_read_run_measures_both_loaders_private_memory_and_first_batch(t
             assert run["samples"] == 20000 and run["peak_private_bytes"] > 0
             assert all(len(row) == 2 for _, row in run["series"])  # each worker, each sample
             assert r["first_batch_s"]["forkserver"][kind] > 0
+            assert r["first_batch_floor_s"]["forkserver"][kind] > 0  # at 2,000 items
+    assert case["first_batch_growth_s"]["forkserver"]["torch"]["n"] == 2
+    assert "the dataset's size added" in result["finding"]["text"]
     assert case["fastmm_private_over_dataset"]["n"] == 2
     assert result["finding"]["call"] in ("roll out", "roll back")
     assert (out / "report.html").exists()

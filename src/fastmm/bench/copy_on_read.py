@@ -39,6 +39,7 @@ from .report import busy_notes, save_study
 
 LOADERS = {"torch": torch.utils.data.DataLoader, "fastmm": fastmm.DataLoader}
 SHARE_BAR = 0.3  # the workers' peak private memory over the dataset's size, at most
+FLOOR_ITEMS = 2_000  # a dataset this small times what starting the workers costs alone
 
 
 class PathLabels(torch.utils.data.Dataset):
@@ -134,11 +135,12 @@ def epoch(kind: str, dataset, args) -> dict:
             "series": [[t, row] for t, row in memory.series], "digest": digest.hexdigest()}
 
 
-def first_batch(kind: str, name: str, method: str, args) -> float:
+def first_batch(kind: str, name: str, method: str, args, items: int | None = None) -> float:
     """Seconds from iter() to the first batch, workers started by ``method``, in a process of
-    its own (a forkserver, once started, serves every later loader of its process)."""
+    its own (a forkserver, once started, serves every later loader of its process), with the
+    dataset at ``items`` (default: ``args.items``)."""
     command = [sys.executable, "-m", "fastmm.bench.copy_on_read", "--first-batch", kind, name,
-               method, "--items", str(args.items), "--batch-size", str(args.batch_size),
+               method, "--items", str(items or args.items), "--batch-size", str(args.batch_size),
                "--num-workers", str(args.num_workers), "--seed", str(args.seed)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     said = done.stdout.split()
@@ -180,12 +182,14 @@ def run_dataset(name: str, args) -> dict:
         order = list(LOADERS) if r % 2 == 0 else list(LOADERS)[::-1]
         with OtherCores() as others:
             runs = {kind: epoch(kind, dataset, args) for kind in order}
-        ttfb = {}
+        ttfb, floor = {}, {}
         timed = args.first_batch_rounds is None or r < args.first_batch_rounds
         for method in args.methods if timed else ():
             ttfb[method] = {kind: first_batch(kind, name, method, args) for kind in order}
+            floor[method] = {kind: first_batch(kind, name, method, args, items=FLOOR_ITEMS)
+                             for kind in order}
         rounds.append({"order": order, "runs": runs, "first_batch_s": ttfb,
-                       "other_processes_cpu_cores": others.cores})
+                       "first_batch_floor_s": floor, "other_processes_cpu_cores": others.cores})
         print(f"[copy-on-read] {name} round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {v['peak_private_bytes'] / 2**20:.0f} MiB {v['samples_per_s']:.0f}/s"
             for k, v in runs.items()), file=sys.stderr, flush=True)
@@ -202,6 +206,14 @@ def run_dataset(name: str, args) -> dict:
         [r["first_batch_s"][m]["fastmm"] for r in rounds if m in r["first_batch_s"]],
         [r["first_batch_s"][m]["torch"] for r in rounds if m in r["first_batch_s"]]))
         for m in args.methods}
+    # what the dataset's size adds to the first batch: the time over the same loader's with
+    # FLOOR_ITEMS items (starting the workers: interpreters importing torch under spawn)
+    out["first_batch_growth_s"] = {m: {k: stats.summarize(
+        [r["first_batch_s"][m][k] - r["first_batch_floor_s"][m][k]
+         for r in rounds if m in r["first_batch_s"]]) for k in LOADERS} for m in args.methods}
+    out["first_batch_floor_s"] = {m: {k: stats.summarize(
+        [r["first_batch_floor_s"][m][k] for r in rounds if m in r["first_batch_s"]])
+                                      for k in LOADERS} for m in args.methods}
     out["first_batch_s"] = {m: {k: stats.summarize(
         [r["first_batch_s"][m][k] for r in rounds if m in r["first_batch_s"]])
                                 for k in LOADERS} for m in args.methods}
@@ -219,8 +231,12 @@ def finding(result: dict) -> dict:
             f"{stats.interval(ours, 2, 'x')} the dataset's size with fastmm, "
             f"{stats.interval(theirs, 2, 'x')} with torch; rate "
             f"{stats.interval(case['rate_ratio'], 2, 'x')} torch's; "
-            + "".join(f"first batch with {m} {stats.interval(r, 2, 'x')} torch's time; "
-                      for m, r in case["first_batch_ratio"].items() if r)
+            + "".join(f"first batch with {m} {stats.interval(r, 2, 'x')} torch's time "
+                      f"(the dataset's size added "
+                      f"{stats.interval(case['first_batch_growth_s'][m]['fastmm'], 2, ' s')} "
+                      f"to fastmm's, "
+                      f"{stats.interval(case['first_batch_growth_s'][m]['torch'], 2, ' s')} "
+                      f"to torch's); " for m, r in case["first_batch_ratio"].items() if r)
             + ("the same batches" if case["same_batches"] else "DIFFERENT batches"))
     text = "; ".join(parts) + "."
     label = (f"fastmm's workers held at most {SHARE_BAR}x the dataset in every round"
@@ -273,7 +289,8 @@ def main(argv=None) -> int:
                          ", ".join(f"{r['runs'][kind]['samples_per_s']:.0f}"
                                    for r in c["rounds"]),
                          "; ".join(f"{m} {stats.interval(c['first_batch_s'][m][kind], 2, ' s')}"
-                                   for m in args.methods)])
+                                   f" ({stats.interval(c['first_batch_floor_s'][m][kind], 2, ' s')}"
+                                   f" at {FLOOR_ITEMS:,} items)" for m in args.methods)])
     save_study(args.out, "copy_on_read", result, "Workers' memory and a dataset held in Python "
                "objects (copy-on-read)",
                ["dataset", "loader", "peak private / dataset", "peak private MiB per round",
