@@ -5,6 +5,7 @@ objects stay as they were, a dataset that changes its list still works, and it c
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import pickle
@@ -147,6 +148,34 @@ def test_lists_behave_as_lists():
             original[bad]
     assert pickle.loads(pickle.dumps(proxy)) == original
     assert type(pickle.loads(pickle.dumps(proxy))) is list
+    del proxy
+    share.close()
+
+
+@pytest.mark.parametrize("plain", [list, tuple])
+def test_concatenation_repetition_and_ordering_as_on_the_plain_container(plain):
+    original = plain(f"p{i}" for i in range(10))
+    proxy, share = _shared(original)
+    other = plain(["p0", "z"])
+    assert proxy + other == original + other and other + proxy == other + original
+    assert proxy + proxy == original + original and type(proxy + other) is plain
+    assert proxy * 2 == original * 2 and 2 * proxy == 2 * original and proxy * 0 == plain()
+    assert (proxy < other, proxy <= other, proxy > other, proxy >= other) == (
+        original < other, original <= other, original > other, original >= other)
+    assert proxy <= original and proxy >= original and not proxy < original
+    assert sorted([other, proxy]) == sorted([other, original])
+    assert f"{proxy!r}" == repr(original) and json.dumps(list(proxy)) == json.dumps(list(original))
+    for wrong in ({"a"}, "p", 1, ([], ())[plain is list]):
+        with pytest.raises(TypeError):
+            proxy + wrong
+        with pytest.raises(TypeError):
+            original + wrong
+        with pytest.raises(TypeError):
+            proxy < wrong
+    if plain is list:
+        proxy *= 2  # the worker's own list from then on, the original untouched
+        proxy += ["end"]
+        assert proxy == original * 2 + ["end"] and len(original) == 10
     del proxy
     share.close()
 

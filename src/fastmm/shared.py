@@ -28,6 +28,7 @@ import dataclasses
 import io
 import logging
 import mmap
+import operator
 import os
 import pickle
 import struct
@@ -270,8 +271,56 @@ def _index(i, n: int, what: str) -> int:
     return i
 
 
-class SharedTuple(Sequence):
+class _AsPlain:
+    """Comparison, ``+`` and ``*`` of a proxy, as on the plain list or tuple it stands for."""
+
+    _plain: type  # list or tuple
+
+    def _other(self, other):
+        return self._plain(other) if isinstance(other, (self._plain, type(self))) else None
+
+    def _compare(self, other, op):
+        plain = self._other(other)
+        return NotImplemented if plain is None else op(self._plain(self), plain)
+
+    def __eq__(self, other):
+        return self._compare(other, operator.eq)
+
+    def __lt__(self, other):
+        return self._compare(other, operator.lt)
+
+    def __le__(self, other):
+        return self._compare(other, operator.le)
+
+    def __gt__(self, other):
+        return self._compare(other, operator.gt)
+
+    def __ge__(self, other):
+        return self._compare(other, operator.ge)
+
+    def __add__(self, other):
+        return self._compare(other, operator.add)
+
+    def __radd__(self, other):
+        plain = self._other(other)
+        return NotImplemented if plain is None else plain + self._plain(self)
+
+    def __mul__(self, n):
+        return self._plain(self) * n
+
+    __rmul__ = __mul__
+
+    def __repr__(self) -> str:
+        return repr(self._plain(self))
+
+    def __reduce__(self):  # pickled elsewhere (a worker's own pickles): the plain object
+        return self._plain, (self._plain(self),)
+
+
+class SharedTuple(_AsPlain, Sequence):
     """A tuple of the dataset's, read in place from the shared buffer."""
+
+    _plain = tuple
 
     def __init__(self, buf, at: int):
         self._items = _Column(buf, at)
@@ -288,24 +337,15 @@ class SharedTuple(Sequence):
     def __iter__(self):
         return iter(self._items)
 
-    def __eq__(self, other):
-        if isinstance(other, (tuple, SharedTuple)):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
     def __hash__(self) -> int:
         return hash(tuple(self))
 
-    def __repr__(self) -> str:
-        return repr(tuple(self))
 
-    def __reduce__(self):  # pickled elsewhere (a worker's own pickles): the plain tuple
-        return tuple, (tuple(self),)
-
-
-class SharedList(MutableSequence):
+class SharedList(_AsPlain, MutableSequence):
     """A list of the dataset's, read in place from the shared buffer until the worker changes
     it: then it is the worker's own list."""
+
+    _plain = list
 
     def __init__(self, buf, at: int):
         self._items = _Column(buf, at)
@@ -345,24 +385,11 @@ class SharedList(MutableSequence):
     def copy(self) -> list:
         return list(self)
 
-    def __add__(self, other):
-        return list(self) + other
-
-    def __mul__(self, n):
-        return list(self) * n
-
-    def __eq__(self, other):
-        if isinstance(other, (list, SharedList)):
-            return list(self) == list(other)
-        return NotImplemented
+    def __imul__(self, n):
+        self._own = self._mine() * n
+        return self
 
     __hash__ = None
-
-    def __repr__(self) -> str:
-        return repr(list(self))
-
-    def __reduce__(self):
-        return list, (list(self),)
 
 
 class SharedDict(MutableMapping):
