@@ -153,7 +153,9 @@ def _column(w: _Writer, items: list | tuple, depth: int = 0) -> int:
     if types == {tuple} and depth < 32:
         widths = set(map(len, items))
         if len(widths) == 1 and 0 < (width := widths.pop()) <= 64:
-            children = [_column(w, column, depth + 1) for column in zip(*items)]
+            # (a column at a time: zip(*items) takes 20x as long over 2M pairs)
+            children = [_column(w, list(map(operator.itemgetter(j), items)), depth + 1)
+                        for j in range(width)]
             at = w.put(_HEADER.pack(b"tupl", n))
             w.put(np.array([width, *children], np.int64).tobytes())
             return at
