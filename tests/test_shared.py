@@ -335,7 +335,56 @@ def test_no_file_or_mapping_is_left_after_the_loader_ends():
     assert maps() == 1 and fds() == 2  # the buffer's descriptor, and the mapping's own
     del it
     gc.collect()
+    assert maps() == 1 and fds() == 2  # kept with the loader, for its next epoch
+    del loader
+    gc.collect()
     assert maps() == 0 and fds() == 0
+
+
+class Rows(torch.utils.data.Dataset):
+    """An index of [path, label] lists: a change inside one is out of sight of a copy of the
+    outer list's references."""
+
+    def __init__(self, n: int = N):
+        self.rows = [[f"/data/{i:08d}.jpg", i] for i in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i][0]
+
+
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_an_epoch_starts_from_the_last_share_only_while_the_dataset_holds_the_same(method):
+    """Without persistent workers each epoch starts workers anew: the share built for the last
+    one serves again while the dataset's containers are the same objects holding the same
+    items; a change in the main process between epochs is built again and read by the
+    workers."""
+    dataset = Paths()
+    loader = fastmm.DataLoader(dataset, batch_size=512, num_workers=2,
+                               multiprocessing_context=method)
+    _epoch(loader)
+    first = loader._dataset_share
+    assert len(first.shared) == 4
+    _epoch(loader)
+    assert loader._dataset_share is first
+    dataset.labels[3] = 7  # in place: the same list object
+    dataset.samples[3] = (dataset.paths[3], 7)
+    got = {path: label for path, label, _ in _epoch(loader)}
+    assert loader._dataset_share is not first and got[dataset.paths[3]] == 7
+    second = loader._dataset_share
+    dataset.by_path = dict(dataset.by_path)  # a new object, equal to the old
+    _epoch(loader)
+    assert loader._dataset_share is not second
+    rows = Rows()
+    loader = fastmm.DataLoader(rows, batch_size=512, num_workers=2,
+                               multiprocessing_context=method)
+    list(loader)
+    first = loader._dataset_share
+    rows.rows[5][0] = "changed"  # inside an item: built again every epoch for this
+    assert "changed" in [path for batch in loader for path in batch]
+    assert loader._dataset_share is not first
 
 
 def test_a_dataset_watched_by_telemetry_is_shared_too():
@@ -345,3 +394,12 @@ def test_a_dataset_watched_by_telemetry_is_shared_too():
     tm = Telemetry()
     got = _epoch(tm.watch(fastmm.DataLoader(Paths(), batch_size=512, num_workers=2)))
     assert {kinds for _, _, kinds in got} == {"SSSS"}
+
+
+def test_a_loader_still_pickles_after_an_epoch_as_torchs_does():
+    """The buffer is this process's: a pickled loader leaves it out and builds its own."""
+    loader = fastmm.DataLoader(Paths(), batch_size=512, num_workers=2)
+    expected = _epoch(loader)
+    assert loader._dataset_share is not None
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy._dataset_share is None and _epoch(copy) == expected

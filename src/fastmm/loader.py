@@ -140,6 +140,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._restore_next: resume.Progress | None = None  # from load_state_dict, for next iter
         self._progress: resume.Progress | None = None  # where the latest iterator is
         self._findings_said: set[str] = set()  # doctor's findings warned of already
+        self._dataset_share: DatasetShare | None = None  # the last iterator's (shared.py)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_dataset_share"] = None  # this process's buffer: a copy builds its own
+        return state
 
     def __iter__(self):
         # FASTMM_TELEMETRY=summary|trace: the epoch watched and exported (telemetry/auto.py)
@@ -295,7 +301,9 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
         self._table = TaskTable(self._num_workers, self._prefetch_factor, self._in_order)
         self._transport = loader.transport or TransportConfig.from_env()
         # the dataset's large containers, shared with the workers instead of copied (shared.py)
-        self._share = DatasetShare.build(self._dataset) if self._transport.share_dataset else None
+        # (built again only where the dataset's containers changed since the last epoch's)
+        self._share = loader._dataset_share = DatasetShare.build(
+            self._dataset, last=loader._dataset_share) if self._transport.share_dataset else None
         if self._share is not None and (self._share.shared or self._share.not_shared):
             log.info("fastmm: %s", self._share.describe())
         # Workers run ahead by up to prefetch_factor batches each: keeping that many slabs in the
@@ -474,9 +482,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                 self._worker_pids_set = self._worker_processes.signal_id = False
             self._worker_processes.forget()
             self._table.tasks = {}
-            self._slab_pool.close()
-            if self._share is not None:
-                self._share.close()
+            self._slab_pool.close()  # (the share lives on with the loader, for the next epoch)
 
     def __del__(self) -> None:
         # only where it was made: a forked child may collect its copy of an iterator. The

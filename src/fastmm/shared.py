@@ -33,6 +33,7 @@ import os
 import pickle
 import struct
 import sys
+import weakref
 import zlib
 from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from multiprocessing import reduction
@@ -63,6 +64,7 @@ class _Writer:
     def __init__(self):
         self.chunks: list[bytes] = []
         self.size = 0
+        self.holds_mutables = False  # a list or dict inside an item: changes it cannot see
 
     def put(self, data) -> int:
         at = self.size
@@ -76,8 +78,9 @@ class _Writer:
         return at
 
 
-def _check_item(x, depth: int = 0) -> None:
-    """Raise NotShareable unless ``x`` is one of the supported types, all the way down."""
+def _check_item(x, depth: int = 0) -> bool:
+    """Raise NotShareable unless ``x`` is one of the supported types, all the way down; whether
+    it is or holds a list or dict."""
     kind = type(x)
     if kind is str:
         try:
@@ -87,16 +90,17 @@ def _check_item(x, depth: int = 0) -> None:
     elif kind in (tuple, list):
         if depth > 32:
             raise NotShareable("it nests deeper than 32 levels")
-        for y in x:
-            _check_item(y, depth + 1)
+        return [_check_item(y, depth + 1) for y in x].count(True) > 0 or kind is list
     elif kind is dict:
         if depth > 32:
             raise NotShareable("it nests deeper than 32 levels")
         for k, v in x.items():
             _check_item(k, depth + 1)
             _check_item(v, depth + 1)
+        return True
     elif kind not in _SCALARS:
         raise NotShareable(f"it holds a {kind.__module__}.{kind.__qualname__}")
+    return False
 
 
 def _offsets(lengths, n: int) -> np.ndarray:
@@ -159,8 +163,8 @@ def _column(w: _Writer, items: list | tuple, depth: int = 0) -> int:
             at = w.put(_HEADER.pack(b"tupl", n))
             w.put(np.array([width, *children], np.int64).tobytes())
             return at
-    for x in items:  # mixed, nested or large: each item pickled, once checked
-        _check_item(x, depth)
+    if [_check_item(x, depth) for x in items].count(True):  # mixed, nested or large: each
+        w.holds_mutables = True  # item pickled, once checked
     return _blobs(w, b"pick", [pickle.dumps(x, protocol=5) for x in items])
 
 
@@ -574,22 +578,34 @@ class DatasetShare:
         placements: where each shared container goes in a worker.
         shared: what is shared.
         not_shared: the large containers left as they are, and why.
+        found: what ``containers()`` found when it was built, or None where a shared item
+            is or holds a list or dict (then ``holds()`` is always False).
     """
 
     def __init__(self, fd: int, size: int, placements: list, shared: list[Shared],
-                 not_shared: list[NotShared]):
+                 not_shared: list[NotShared], found: list | None = None):
         self.fd, self.size = fd, size  # (the descriptor spawned workers are sent)
         self.placements: list[Placement] = placements
         self.shared, self.not_shared = shared, not_shared
         self._buf = mmap.mmap(fd, size, prot=mmap.PROT_READ) if shared else None
+        self._close_fd = weakref.finalize(self, os.close, fd) if shared else None
+        # what holds() checks: what containers() found, and each shared container's references
+        self._found = found
+        self._copies = None if found is None else [
+            (p.original, _references(p.original)) for p in placements]
 
     @classmethod
-    def build(cls, dataset, min_items: int = MIN_ITEMS) -> "DatasetShare":
+    def build(cls, dataset, min_items: int = MIN_ITEMS,
+              last: "DatasetShare | None" = None) -> "DatasetShare":
         """Share the large containers among the attributes of ``dataset`` and the datasets it
-        wraps (``shared`` empty if there are none)."""
+        wraps (``shared`` empty if there are none); ``last`` itself where it still holds what
+        they hold (the previous epoch's, when nothing changed)."""
+        if last is not None and last.holds(dataset, min_items):
+            return last
         w = _Writer()
         placements, shared, not_shared, done = [], [], [], {}
-        for where, owner, name, value in containers(dataset, min_items):
+        found = list(containers(dataset, min_items))
+        for where, owner, name, value in found:
             if id(value) not in done:  # (ImageFolder's imgs is its samples: one copy)
                 written = len(w.chunks), w.size
                 try:
@@ -612,10 +628,24 @@ class DatasetShare:
             at = 0
             for chunk in w.chunks:
                 at += os.pwrite(fd, chunk, at)
-            return cls(fd, w.size, placements, shared, not_shared)
         except BaseException:
             os.close(fd)
             raise
+        return cls(fd, w.size, placements, shared, not_shared,
+                   None if w.holds_mutables else found)
+
+    def holds(self, dataset, min_items: int = MIN_ITEMS) -> bool:
+        """Whether workers of ``dataset`` can start from this share again: its large
+        containers are the same objects on the same owners, each holding the same objects as
+        when it was built (a list or dict changed in place, or an attribute set anew, is not;
+        checked by identity, about 25 ms a million items)."""
+        if self._found is None or self._buf is None:
+            return False
+        now = list(containers(dataset, min_items))
+        return (len(now) == len(self._found)
+                and all(a[0] == b[0] and a[1] is b[1] and a[2] == b[2] and a[3] is b[3]
+                        for a, b in zip(now, self._found))
+                and all(_same_references(value, copy) for value, copy in self._copies))
 
     @property
     def python_bytes(self) -> int:
@@ -663,7 +693,25 @@ class DatasetShare:
         if self._buf is not None:  # (nothing shared: nothing to close)
             self._buf.close()
             self._buf = None
-            os.close(self.fd)
+            self._close_fd()
+
+
+def _references(container):
+    """What ``_same_references`` compares ``container`` with later."""
+    if type(container) is dict:
+        return list(container), list(container.values())
+    return list(container) if type(container) is list else None  # (a tuple cannot change)
+
+
+def _same_references(container, references) -> bool:
+    if type(container) is tuple:
+        return True
+    if type(container) is list:
+        return len(container) == len(references) and all(
+            map(operator.is_, container, references))
+    keys, values = references
+    return (len(container) == len(keys) and all(map(operator.is_, container, keys))
+            and all(map(operator.is_, container.values(), values)))
 
 
 def _memfd(size: int) -> int:
