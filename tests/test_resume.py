@@ -452,19 +452,24 @@ def test_a_resumed_loader_can_be_saved_and_resumed_again():
     assert head + middle + tail == full
 
 
-def test_state_right_after_load_is_the_loaded_state():
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_right_after_load_is_the_loaded_state(num_workers):
+    """Also once the iterator exists, before its first batch (without workers its sampler is
+    not replayed until then: hypothesis found that state resuming a fresh order)."""
     _seed_main(0)
-    _, state, _ = _batches(_shuffled(), 3)
-    loader = _shuffled()
+    _, state, _ = _batches(_shuffled(num_workers=num_workers), 3)
+    loader = _shuffled(num_workers=num_workers)
     loader.load_state_dict(state)
     assert json.loads(json.dumps(loader.state_dict())) == state
+    it = iter(loader)
+    assert json.loads(json.dumps(loader.state_dict())) == state
+    del it
 
 
 def test_resuming_mid_epoch_with_other_settings_raises():
     _seed_main(0)
     _, state, _ = _batches(_shuffled(), 3)
-    for changed in (dict(num_workers=1), dict(num_workers=0), dict(batch_size=5),
-                    dict(drop_last=True)):
+    for changed in (dict(drop_last=True),):  # (num_workers, batch_size: test_resume_elastic)
         loader = _shuffled(**changed)
         with pytest.raises(ValueError, match="cannot resume mid-epoch") as e:
             loader.load_state_dict(state)

@@ -290,6 +290,9 @@ class Progress:
     # (this process's view, not saved: state_dict() counts by it)
     worker_counts: list = dataclasses.field(default_factory=list)
     last_worker: int | None = None
+    # places in the epoch's sampler order handed out by a loader of another batch size this
+    # epoch, as sorted [start, end) ranges: this loader's batches are made of the other places
+    handed_out_before: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
@@ -319,6 +322,11 @@ class Progress:
                 progress.worker_batches = list(restore.worker_batches)
                 progress.worker_iter_states = list(restore.worker_iter_states)
                 progress.last_worker = restore.last_worker
+                progress.handed_out_before = [list(r) for r in restore.handed_out_before]
+                # (the sampler tap sets them again at the first batch: a state taken before it
+                # is the same state)
+                progress.sampler_rng = restore.sampler_rng
+                progress.sampler_state = restore.sampler_state
             elif restore.base_seed is not None:  # the same persistent workers, a new epoch
                 progress.worker_iter_states = carried_iter_states(restore.worker_iter_states)
         return progress
@@ -326,7 +334,7 @@ class Progress:
     def next_epoch(self) -> None:
         """A persistent iterator's next epoch: the workers and their RNGs carry on."""
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
-        self.batches, self.done, self.ahead = 0, False, set()
+        self.batches, self.done, self.ahead, self.handed_out_before = 0, False, set(), []
         self.worker_batches = [0] * self.num_workers
         self.worker_iter_states = carried_iter_states(self.worker_iter_states)
 
@@ -550,6 +558,7 @@ class SamplerTap:
         self._generator = loader.generator
         self._own_generator = sampler_generator(loader)
         self._index_sampler = loader._index_sampler
+        self._batch_sampler = loader.batch_sampler  # (a BatchSampler where handed_out is kept)
         self._sampler = _sampler_with_state(loader)
         self._progress = progress
         # an epoch whose first index was not drawn yet draws it live, as it would have
@@ -582,7 +591,8 @@ class SamplerTap:
             _set_generator_states(replay.sampler_rng, generator, self._own_generator)
             if sampler is not None and replay.sampler_state is not None:
                 sampler.load_state_dict(replay.sampler_state)
-            it = enumerate(iter(self._index_sampler))
+            it = enumerate(iter(self._index_sampler) if not replay.handed_out_before else
+                           _rest_batches(self._batch_sampler, replay.handed_out_before))
             drawn = 0
             for first in it:  # the batches handed out, up to the first one that was not
                 drawn = first[0] + 1
@@ -604,6 +614,63 @@ class SamplerTap:
 
 
 _END = object()
+
+
+def _rest_batches(batch_sampler, handed_out: list):
+    """The batches of an epoch part of which was handed out at another batch size: the
+    sampler's order without the places in ``handed_out``, in batches of this loader's size."""
+    batch, size = [], batch_sampler.batch_size
+    ranges = iter(handed_out)
+    start, end = next(ranges, (None, None))
+    for place, index in enumerate(batch_sampler.sampler):
+        while end is not None and place >= end:
+            start, end = next(ranges, (None, None))
+        if start is not None and place >= start:
+            continue
+        batch.append(index)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch and not batch_sampler.drop_last:
+        yield batch
+
+
+def _places(handed_out: list, start: int, end: int) -> list[list[int]]:
+    """The epoch's places of places ``start`` .. ``end - 1`` of the rest (the places not in
+    ``handed_out``), as ranges."""
+    out, offset, gap_start = [], 0, 0  # offset: the rest's places before gap_start
+    for r_start, r_end in [*handed_out, (None, None)]:
+        length = None if r_start is None else r_start - gap_start
+        lo, hi = max(start, offset), end if length is None else min(end, offset + length)
+        if lo < hi:
+            out.append([gap_start + lo - offset, gap_start + hi - offset])
+        if r_start is None:
+            break
+        offset += length
+        gap_start = r_end
+    return out
+
+
+def merge_places(ranges: list) -> list[list[int]]:
+    """Sorted, disjoint ranges covering ``ranges``."""
+    out = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def handed_out_places(p: Progress, batch_size: int) -> list[list[int]]:
+    """Every place of the epoch's sampler order handed out so far, as sorted ranges: the
+    earlier shapes' and this one's batches (``batch_size`` each; the epoch's last one may be
+    shorter, and its range runs past the end harmlessly)."""
+    before = p.handed_out_before
+    ranges = list(before) + _places(before, 0, p.first_missing * batch_size)
+    for position in p.ahead:
+        ranges += _places(before, position * batch_size, (position + 1) * batch_size)
+    return merge_places(ranges)
 
 
 def _chain(first, rest):
@@ -680,6 +747,7 @@ def encode(loader, progress: Progress | None) -> dict:
         if isinstance(loader.dataset, IterableDataset) and (p.mid_epoch or same_workers)
         else None,
         "last_worker": p.last_worker if p.mid_epoch else None,
+        "handed_out_before": [list(r) for r in p.handed_out_before] if p.mid_epoch else [],
         # the loader's own generator is its state: where it is now, not where the epoch began
         "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
         "sampler_generator": None if own is None else _b64(_state_of(own)),
@@ -719,6 +787,18 @@ def decode(loader, state: dict) -> Progress:
     return p
 
 
+def _elastic(loader, state: dict, now: dict, changed: list[str]) -> bool:
+    """Whether the rest of a map-style epoch saved at another shape can be dealt out at this
+    one, each sample not handed out once: another worker count (the same batches, fresh worker
+    RNGs), another batch size (the sampler's order re-batched, where both loaders' batches
+    come from torch's BatchSampler)."""
+    if now["kind"] != "map" or not set(changed) <= {"num_workers", "batch_size"}:
+        return False
+    return "batch_size" not in changed or (
+        state["batch_size"] is not None and now["batch_size"] is not None
+        and type(loader.batch_sampler) is torch.utils.data.BatchSampler)
+
+
 def _read(loader, state: dict) -> tuple[Progress, object, list]:
     """The Progress in ``state``, and the states to set now (between epochs, the sampler's;
     the loader's generator and the sampler's own, as (generator, state) pairs), checked."""
@@ -730,16 +810,18 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         )
     mid_epoch = not state["epoch_done"]
     now = _shape(loader)
-    if mid_epoch:
-        changed = [f"{k}: saved {state[k]!r}, now {now[k]!r}" for k in now if state[k] != now[k]]
-        if changed:
-            raise ValueError(
-                "cannot resume mid-epoch with a different loader: " + "; ".join(changed)
-                + ". The batches left in the epoch would differ (samples repeated, skipped or "
-                "reordered, or other augmentation draws). Resume with the same settings, or "
-                "from a state saved at an epoch boundary."
-            )
-    elif state["kind"] != now["kind"]:
+    changed = [k for k in now if state[k] != now[k]] if mid_epoch else []
+    if changed and not _elastic(loader, state, now, changed):
+        raise ValueError(
+            "cannot resume mid-epoch with a different loader: " + "; ".join(
+                f"{k}: saved {state[k]!r}, now {now[k]!r}" for k in changed)
+            + ". The batches left in the epoch would differ (samples repeated, skipped or "
+            "reordered, or other augmentation draws). A map-style dataset's loader may change "
+            "num_workers, and batch_size where its batches come from torch's BatchSampler; "
+            "otherwise resume with the same settings, or from a state saved at an epoch "
+            "boundary."
+        )
+    if not mid_epoch and state["kind"] != now["kind"]:
         raise ValueError(f"the state is for a {state['kind']}-style dataset, this loader has a "
                          f"{now['kind']}-style one")
     same_workers = (state["num_workers"] == loader.num_workers
@@ -756,8 +838,21 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         p.ahead = set(state.get("ahead", ()))  # states saved before in_order=False lack it
         p.worker_batches = list(state["worker_batches"])
         p.last_worker = state["last_worker"]
+        p.handed_out_before = state.get("handed_out_before", [])  # (older states lack it)
         _check(_count(p.batches) and all(map(_count, p.ahead)) and len(p.ahead) <= p.batches
                and all(a > p.first_missing for a in p.ahead), "ahead")
+        before = p.handed_out_before
+        _check(isinstance(before, list) and all(
+            isinstance(r, list) and len(r) == 2 and all(map(_count, r)) and r[0] < r[1]
+            for r in before) and merge_places(before) == before, "handed_out_before")
+        if changed:  # another shape: the rest of the epoch at this one (_elastic)
+            if "batch_size" in changed:
+                p.handed_out_before = handed_out_places(p, state["batch_size"])
+                p.batches, p.ahead = 0, set()
+            p.worker_batches, p.last_worker = [0] * loader.num_workers, None
+            p.worker_rng = [None] * loader.num_workers
+            p.base_seed = state["base_seed"]  # fresh worker RNGs, the same on every resume
+            _check(p.base_seed is None or _count(p.base_seed), "base_seed")
         _check(_count(p.batches) and len(p.worker_batches) == loader.num_workers
                and all(map(_count, p.worker_batches)) and sum(p.worker_batches) <= p.batches
                and (p.last_worker is None or _count(p.last_worker)

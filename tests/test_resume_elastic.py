@@ -1,0 +1,141 @@
+"""Resuming mid-epoch at another shape (issue 54): a map-style loader saved with one worker
+count and batch size goes on with another, every sample not handed out yet exactly once, in
+an order that is the same every time the state is resumed."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import fastmm
+from fastmm import resume
+from _resume_job import Augmented
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+N = 37  # samples an epoch (Augmented's)
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*worker processes in total")
+
+
+def _seed_main(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _loader(num_workers: int, batch_size: int, in_order: bool = True, drop_last: bool = False,
+            **kwargs):
+    return fastmm.DataLoader(Augmented(N), batch_size=batch_size, shuffle=True,
+                             num_workers=num_workers, in_order=in_order, drop_last=drop_last,
+                             **kwargs)
+
+
+def _take(loader, count: int | None, state_in: dict | None = None):
+    """``count`` batches of one epoch (all: None) as lists of rows, and the state after them
+    (through JSON), from ``loader`` restored from ``state_in`` if given."""
+    if state_in is not None:
+        _seed_main(99)  # elsewhere: the restored loader must not depend on it
+        loader.load_state_dict(state_in)
+    out, it = [], iter(loader)
+    while count is None or len(out) < count:
+        try:
+            out.append(next(it).tolist())
+        except StopIteration:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    return out, state
+
+
+def _ids(batches) -> list[int]:
+    return [row[0] for batch in batches for row in batch]
+
+
+def _stopped(num_workers: int, batch_size: int, stop: int, in_order: bool = True):
+    _seed_main(0)
+    return _take(_loader(num_workers, batch_size, in_order), stop)
+
+
+@pytest.mark.parametrize("before, after", [((2, 4), (3, 4)), ((2, 4), (0, 4)), ((0, 4), (2, 4)),
+                                           ((2, 4), (2, 5)), ((2, 8), (1, 3)), ((1, 3), (3, 10))])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_the_rest_of_the_epoch_at_another_shape_has_each_sample_once(before, after, in_order):
+    head, state = _stopped(*before, stop=3, in_order=in_order)
+    tail, _ = _take(_loader(*after, in_order=in_order), None, state)
+    assert sorted(_ids(head + tail)) == list(range(N))
+    sizes = sorted(len(b) for b in tail)  # (in_order=False: the short one anywhere)
+    assert all(size == after[1] for size in sizes[1:]) and 0 < sizes[0] <= after[1]
+    again, _ = _take(_loader(*after, in_order=in_order), None, state)
+    if in_order:  # the same state resumed twice: the same batches, augmentation draws included
+        assert again == tail
+    else:  # which worker makes a batch, so its draws, follows the workers' timing
+        assert sorted(_ids(again)) == sorted(_ids(tail))
+
+
+def test_a_second_and_third_stop_within_the_epoch_at_other_shapes():
+    head, state = _stopped(2, 4, stop=2)
+    middle, state = _take(_loader(3, 5), 3, state)
+    assert state["handed_out_before"] == [[0, 8]]  # (the first 8 places of the order)
+    more, state = _take(_loader(1, 3, in_order=False), 2, state)
+    tail, end = _take(_loader(2, 7), None, state)
+    assert sorted(_ids(head + middle + more + tail)) == list(range(N))
+    assert end["epoch_done"] and end["handed_out_before"] == []
+
+
+def test_an_unchanged_shape_after_a_change_resumes_the_same_batches():
+    """Saved again at the new shape and resumed at it: the batches the resumed run had next."""
+    _, state = _stopped(2, 4, stop=3)
+    resumed = _loader(3, 5)
+    whole, _ = _take(resumed, None, state)
+    head, again = _take(_loader(3, 5), 2, state)
+    tail, _ = _take(_loader(3, 5), None, again)
+    assert head + tail == whole
+
+
+def test_drop_last_drops_the_short_batch_of_the_rest():
+    head, state = _stopped(2, 4, stop=3)
+    _seed_main(0)
+    tail, _ = _take(_loader(2, 5, drop_last=False), None, state)
+    dropped, _ = _take(fastmm.DataLoader(Augmented(N), batch_size=5, shuffle=True, num_workers=2),
+                       None, state)
+    assert tail == dropped  # (drop_last unchanged: the same loader)
+    with pytest.raises(ValueError, match="drop_last: saved False, now True"):
+        _loader(2, 5, drop_last=True).load_state_dict(state)
+
+
+def test_what_cannot_be_reshaped_says_what_changed():
+    _, state = _stopped(2, 4, stop=3)
+    batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(range(N)), 5, False)
+    own = fastmm.DataLoader(Augmented(N), batch_sampler=batches, num_workers=2)
+    with pytest.raises(ValueError, match=r"batch_size: saved 4, now None.*torch's BatchSampler"):
+        own.load_state_dict(state)
+    same_size = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(range(N)), 4, False)
+    with pytest.raises(ValueError, match="batch_size: saved 4, now None"):
+        fastmm.DataLoader(Augmented(N), batch_sampler=same_size).load_state_dict(state)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9), st.booleans(),
+                                 st.integers(0, 6)), min_size=2, max_size=4))
+def test_any_chain_of_shapes_hands_out_each_sample_once(shapes):
+    """Against the set model of an epoch: each loader of the chain takes some batches at its
+    shape (the last one the rest); together they hand out every sample exactly once."""
+    state, seen = None, []
+    _seed_main(0)
+    for k, (workers, size, in_order, count) in enumerate(shapes):
+        last = k == len(shapes) - 1
+        batches, state = _take(_loader(workers, size, in_order), None if last else count, state)
+        seen += _ids(batches)
+        assert all(len(b) <= size for b in batches)
+        if state["epoch_done"]:
+            break
+    assert sorted(seen) == list(range(N))
+    assert resume.merge_places([[3, 5], [0, 2], [2, 3], [7, 9]]) == [[0, 5], [7, 9]]
