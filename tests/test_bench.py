@@ -846,6 +846,8 @@ def _bad_command_lines(tmp_path):
         ("worker_memory", ["--samples", "0"]),
         ("copy_on_read", ["--items", "0"]),
         ("copy_on_read", ["--datasets", "bogus"]),
+        ("state_cost", ["--step-ms", "-1"]),
+        ("state_cost", ["--num-workers", "0"]),
     ]
 
 
@@ -947,6 +949,28 @@ def test_worker_memory_run_follows_each_workers_rss_in_both_modes(tmp_path):
                                         [r["other_processes_cpu_cores"] for r in result["runs"]])
     assert result["finding"]["call"] in ("roll out", "roll back", "undecided")
     assert (out / "report.html").exists()
+
+
+@pytest.mark.slow
+def test_state_cost_run_times_state_dict_for_both_loaders(tmp_path):
+    """The state-every-step benchmark (here small): both loaders, with and without a state
+    each step, per-call times, the state's size, and a finding."""
+    pytest.importorskip("torchdata")
+    from fastmm.bench import state_cost
+
+    out = tmp_path / "out"
+    assert state_cost.main(["--rounds", "2", "--batches", "12", "--warmup", "2",
+                            "--num-workers", "2", "--step-ms", "1", "--items", "1000",
+                            "--out", str(out)]) == 0
+    result = json.loads((out / "state_cost.json").read_text())
+    for r in result["rounds"]:
+        for kind in ("torch", "fastmm"):
+            runs = r["runs"][kind]
+            assert runs["without"]["calls_s"] == [] and len(runs["with"]["calls_s"]) == 14
+            assert runs["with"]["loop_s"] > 0 and runs["without"]["loop_s"] > 0
+    assert result["state_bytes"]["fastmm"] > 0 and result["state_bytes"]["torch"] > 0
+    assert result["overhead"]["fastmm"]["n"] == 2
+    assert "state_dict()" in result["finding"]["text"] and (out / "report.html").exists()
 
 
 @pytest.mark.slow

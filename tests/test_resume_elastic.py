@@ -5,7 +5,10 @@ an order that is the same every time the state is resumed."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -139,3 +142,126 @@ def test_any_chain_of_shapes_hands_out_each_sample_once(shapes):
             break
     assert sorted(seen) == list(range(N))
     assert resume.merge_places([[3, 5], [0, 2], [2, 3], [7, 9]]) == [[0, 5], [7, 9]]
+
+
+# -- another world size (each rank's loader in this process: the job's ranks side by side) --------
+
+
+def _rank_loader(rank: int, world: int, batch_size: int, num_workers: int = 0, n: int = N,
+                 drop_last: bool = False):
+    ds = Augmented(n)
+    sampler = fastmm.DistributedSampler(ds, num_replicas=world, rank=rank, seed=3,
+                                        drop_last=drop_last)
+    return fastmm.DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
+
+
+def _job(world: int, batch_size: int, stops: list[int | None], states=None, num_workers: int = 0,
+         n: int = N):
+    """Each rank's batches (``stops[rank]`` of them; None: the rest of the epoch) and its state
+    after them, each rank restored from ``states`` (every rank's of the job before) if given."""
+    batches, saved = [], []
+    for rank in range(world):
+        _seed_main(rank)  # (each rank's process)
+        loader = _rank_loader(rank, world, batch_size, num_workers, n)
+        got, state = _take(loader, stops[rank], states)
+        batches.append(got)
+        saved.append(state)
+    return batches, saved
+
+
+def _padded(n: int, world: int) -> int:
+    return -n % world  # the places DistributedSampler repeats to deal n samples evenly
+
+
+@pytest.mark.parametrize("world, stops, world2, batch2", [
+    (4, [2, 2, 2, 2], 2, 4), (4, [2, 2, 2, 2], 3, 3), (4, [3, 2, 3, 1], 3, 5), (2, [0, 1], 4, 2),
+    (3, [4, 4, 4], 1, 7)])
+def test_another_world_size_deals_out_the_rest_once_in_equal_batch_counts(world, stops, world2,
+                                                                         batch2):
+    head, states = _job(world, 4, stops)
+    tail, ends = _job(world2, batch2, [None] * world2, states)
+    ids = _ids(sum(head, []) + sum(tail, []))
+    assert set(ids) == set(range(N))
+    # repeated only where a deal padded: the first job's, and the rest's to world2 ranks
+    assert len(ids) - N <= _padded(N, world) + world2 - 1
+    assert len({len(batches) for batches in tail}) == 1  # no rank waits at a collective
+    assert all(end["epoch_done"] for end in ends)
+    again, _ = _job(world2, batch2, [None] * world2, states)
+    assert again == tail  # the same states: the same batches, augmentation draws included
+
+
+def test_two_changes_of_world_size_within_one_epoch():
+    head, states = _job(4, 3, [2, 2, 2, 2], num_workers=2)
+    middle, states = _job(3, 4, [1, 1, 1], states, num_workers=1)
+    assert states[0]["deal"][0] == 4 and states[0]["deal"][3] == 3
+    tail, _ = _job(2, 2, [None, None], states, num_workers=0)
+    ids = _ids(sum(head + middle + tail, []))
+    assert set(ids) == set(range(N)) and len(ids) - N <= _padded(N, 4) + 2 + 1
+
+
+def test_the_same_world_given_every_ranks_state_resumes_as_before():
+    head, states = _job(3, 4, [2, 2, 2], num_workers=2)  # (their RNGs in the state)
+    whole, _ = _job(3, 4, [None] * 3, num_workers=2)
+    tail, _ = _job(3, 4, [None] * 3, states, num_workers=2)
+    for rank in range(3):
+        assert head[rank] + tail[rank] == whole[rank]
+
+
+def test_the_next_epoch_after_a_change_of_world_is_the_new_worlds():
+    _, states = _job(4, 4, [1, 1, 1, 1])
+    loader = _rank_loader(1, 2, 4)
+    _seed_main(5)
+    loader.load_state_dict(states)
+    list(loader)
+    following = [b.tolist() for b in loader]
+    fresh = _rank_loader(1, 2, 4)
+    list(fresh)
+    assert _ids(following) == _ids([b.tolist() for b in fresh])
+
+
+def test_a_change_of_world_names_what_it_lacks():
+    _, states = _job(4, 4, [1, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"every rank of the saved job.*\(0, 4\), \(1, 4\), "
+                                         r"\(3, 4\)"):
+        _rank_loader(0, 2, 4).load_state_dict([states[0], states[1], states[3]])
+    with pytest.raises(ValueError, match="world: saved"):
+        _rank_loader(0, 2, 4).load_state_dict(states[0])  # one rank's alone: as before
+    plain = fastmm.DataLoader(Augmented(N), batch_size=4, shuffle=True)
+    with pytest.raises(ValueError, match="over a DistributedSampler"):
+        plain.load_state_dict(states)
+
+
+def _torchrun(out, world: int, *args) -> None:
+    out.mkdir()
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_elastic_job.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world}", job, str(out), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _job_ids(out, world: int) -> list[list[list[int]]]:
+    return [[json.loads(line) for line in open(out / f"rank{rank}.jsonl")]
+            for rank in range(world)]
+
+
+@pytest.mark.slow
+def test_torchrun_jobs_stopped_and_resumed_at_other_shapes(tmp_path):
+    """4 ranks x 2 workers stopped at a random step; resumed as 2 ranks x 3 workers and stopped
+    again within the epoch; resumed as 3 ranks x 1 worker to the epoch's end: each of the 101
+    samples handed out, repeated only where a deal padded, every job's ranks the same number of
+    batches."""
+    stop = random.Random().randint(1, 5)
+    _torchrun(tmp_path / "a", 4, 2, 4, stop)
+    _torchrun(tmp_path / "b", 2, 3, 5, 3, tmp_path / "a")
+    _torchrun(tmp_path / "c", 3, 1, 6, -1, tmp_path / "b")
+    seen = []
+    for name, world in (("a", 4), ("b", 2), ("c", 3)):
+        ranks = _job_ids(tmp_path / name, world)
+        assert len({len(batches) for batches in ranks}) == 1, (name, stop)
+        seen += [i for batches in ranks for batch in batches for i in batch]
+    assert set(seen) == set(range(101)), stop
+    assert len(seen) - 101 <= _padded(101, 4) + 1 + 2, stop
+    # the same states resumed again: the same batches
+    _torchrun(tmp_path / "c2", 3, 1, 6, -1, tmp_path / "b")
+    assert _job_ids(tmp_path / "c2", 3) == _job_ids(tmp_path / "c", 3)

@@ -169,10 +169,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         not handed out yet, each once, in the order the workers finish them."""
         return resume.encode(self, self._progress)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Start the next iteration where ``state`` (from ``state_dict``) was taken. Raises
-        ValueError if this loader differs in a way that would change the batches left in a
-        started epoch (workers, batch size, dataset length, world size, ...)."""
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Start the next iteration where ``state`` (from ``state_dict``) was taken; a list of
+        every rank's states resumes a job of another world size (docs/loader.md). Raises
+        ValueError where the rest of a started epoch cannot be dealt out exactly once at this
+        loader's shape (another dataset length or drop_last, an IterableDataset's workers...)."""
         progress = resume.decode(self, state)
         if self._iterator is not None:  # persistent workers of the old position: start anew
             self._iterator._shutdown_workers()
@@ -260,7 +261,8 @@ class _SingleProcessIter(_ResumableIter, _torch.SingleProcessDataLoaderIter):
 
     def _next_index(self):
         index = super()._next_index()
-        self._progress.batches += 1
+        # (a state from workers handing out of order may have batches ahead, skipped here)
+        self._progress.count(getattr(self._sampler_iter, "position", None))
         return index
 
     def _next_batch(self):

@@ -24,6 +24,8 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import json
+import math
 import pickle
 import random
 import struct
@@ -293,6 +295,7 @@ class Progress:
     # places in the epoch's sampler order handed out by a loader of another batch size this
     # epoch, as sorted [start, end) ranges: this loader's batches are made of the other places
     handed_out_before: list = dataclasses.field(default_factory=list)
+    deal: "Deal | None" = None  # this rank's samples, dealt again at another world size
 
     def __post_init__(self):
         self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
@@ -323,6 +326,7 @@ class Progress:
                 progress.worker_iter_states = list(restore.worker_iter_states)
                 progress.last_worker = restore.last_worker
                 progress.handed_out_before = [list(r) for r in restore.handed_out_before]
+                progress.deal = restore.deal
                 # (the sampler tap sets them again at the first batch: a state taken before it
                 # is the same state)
                 progress.sampler_rng = restore.sampler_rng
@@ -335,6 +339,7 @@ class Progress:
         """A persistent iterator's next epoch: the workers and their RNGs carry on."""
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
         self.batches, self.done, self.ahead, self.handed_out_before = 0, False, set(), []
+        self.deal = None
         self.worker_batches = [0] * self.num_workers
         self.worker_iter_states = carried_iter_states(self.worker_iter_states)
 
@@ -350,14 +355,7 @@ class Progress:
                 (in_order=False); else None.
             counts: its worker's skip counts after it (a MultimodalDataset's), or None.
         """
-        first_missing = self.first_missing
-        self.batches += 1
-        if position is not None and position != first_missing:
-            self.ahead.add(position)
-        else:
-            while first_missing + 1 in self.ahead:  # they follow on now
-                first_missing += 1
-                self.ahead.discard(first_missing)
+        self.count(position)
         self.last_worker = worker_id
         self.worker_batches[worker_id] += 1
         if rng is not None:
@@ -366,6 +364,18 @@ class Progress:
             self.worker_iter_states[worker_id] = iter_state
         if counts is not None:
             self.worker_counts[worker_id] = counts
+
+    def count(self, position: int | None) -> None:
+        """One more batch handed out, from ``position`` in the sampler's order (None: the
+        first one not handed out yet)."""
+        first_missing = self.first_missing
+        self.batches += 1
+        if position is not None and position != first_missing:
+            self.ahead.add(position)
+        else:
+            while first_missing + 1 in self.ahead:  # they follow on now
+                first_missing += 1
+                self.ahead.discard(first_missing)
 
     def first_worker(self, iterable: bool) -> int:
         """The worker the next task goes to, as the round robin of the saved run had it."""
@@ -587,12 +597,17 @@ class SamplerTap:
             return
         p.sampler_rng, p.sampler_state = replay.sampler_rng, replay.sampler_state
         first_missing, ahead = replay.first_missing, replay.ahead
+        order = None  # the epoch's sample order, where it is not the batch sampler's
         with KeepRng(generator):  # the sampler's own generator goes on from the epoch's draws
             _set_generator_states(replay.sampler_rng, generator, self._own_generator)
             if sampler is not None and replay.sampler_state is not None:
                 sampler.load_state_dict(replay.sampler_state)
-            it = enumerate(iter(self._index_sampler) if not replay.handed_out_before else
-                           _rest_batches(self._batch_sampler, replay.handed_out_before))
+            if replay.deal is not None:
+                order = iter(replay.deal.indices(self._batch_sampler.sampler))
+            elif replay.handed_out_before:
+                order = iter(self._batch_sampler.sampler)
+            it = enumerate(iter(self._index_sampler) if order is None else _rest_batches(
+                order, self._batch_sampler, replay.handed_out_before))
             drawn = 0
             for first in it:  # the batches handed out, up to the first one that was not
                 drawn = first[0] + 1
@@ -616,13 +631,14 @@ class SamplerTap:
 _END = object()
 
 
-def _rest_batches(batch_sampler, handed_out: list):
+def _rest_batches(order, batch_sampler, handed_out: list):
     """The batches of an epoch part of which was handed out at another batch size: the
-    sampler's order without the places in ``handed_out``, in batches of this loader's size."""
+    sample ``order`` without the places in ``handed_out``, in batches as ``batch_sampler``
+    makes them (its size, its drop_last)."""
     batch, size = [], batch_sampler.batch_size
     ranges = iter(handed_out)
     start, end = next(ranges, (None, None))
-    for place, index in enumerate(batch_sampler.sampler):
+    for place, index in enumerate(order):
         while end is not None and place >= end:
             start, end = next(ranges, (None, None))
         if start is not None and place >= start:
@@ -676,6 +692,116 @@ def handed_out_places(p: Progress, batch_size: int) -> list[list[int]]:
 def _chain(first, rest):
     yield first
     yield from rest
+
+
+# -- another world size mid-epoch ------------------------------------------------------------
+
+
+def _total_size(samples: int, world: int, drop_last: bool) -> int:
+    """How many places torch's DistributedSampler deals ``samples`` into for ``world`` ranks:
+    padded up to a multiple of ``world`` by repeating its first ones, or (``drop_last``) cut
+    down to one."""
+    if drop_last and samples % world:
+        return math.ceil((samples - world) / world) * world
+    return math.ceil(samples / world) * world
+
+
+def _ranges(mask) -> list[list[int]]:
+    """The True places of a boolean array, as sorted [start, end) ranges."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+    return [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _mask(ranges: list, size: int):
+    mask = np.zeros(size, bool)
+    for start, end in ranges:
+        mask[start:min(end, size)] = True
+    return mask
+
+
+class Deal(NamedTuple):
+    """A rank's samples for the rest of an epoch that a job of another world size began: the
+    epoch's places as ``order_world`` ranks' DistributedSampler dealt them, less those
+    handed out before (``before``, ranges), dealt again to ``world`` ranks as DistributedSampler
+    deals (the rest padded by repeating its first places, or cut, to a multiple of ``world``),
+    this one ``rank``."""
+
+    order_world: int
+    before: list
+    rank: int
+    world: int
+
+    def places(self, total: int, drop_last: bool):
+        """The epoch's places this rank takes, in order (of ``total``)."""
+        rest = np.flatnonzero(~_mask(self.before, total))
+        if not len(rest):
+            return rest
+        dealt = _total_size(len(rest), self.world, drop_last)
+        return rest[np.arange(self.rank, dealt, self.world) % len(rest)]
+
+    def indices(self, sampler) -> list[int]:
+        """The sample indices this rank takes, from ``sampler`` (a DistributedSampler at the
+        epoch): its order as ``order_world`` ranks would split it, then dealt as above. The
+        sampler's own pass is taken too, so it moves on to its next epoch as it would have."""
+        order = np.empty(_total_size(len(sampler.dataset), self.order_world, sampler.drop_last),
+                         np.int64)
+        split = copy.copy(sampler)
+        split.num_replicas = self.order_world
+        split.num_samples, split.total_size = len(order) // self.order_world, len(order)
+        for rank in range(self.order_world):
+            split.rank = rank
+            order[rank::self.order_world] = list(torch.utils.data.DistributedSampler.__iter__(split))
+        next(iter(sampler), None)
+        return order[self.places(len(order), sampler.drop_last)].tolist()
+
+
+def _own_deal(state: dict) -> Deal:
+    rank, world = state["world"]
+    return Deal(*state["deal"]) if state.get("deal") else Deal(world, [], rank, world)
+
+
+def dealt_anew(loader, states: list) -> dict:
+    """This rank's state for the rest of an epoch that ``states`` (one per rank of a job of
+    another world size, as each saved it) began: every place any of them handed out stays out,
+    the rest is dealt to this loader's ranks (``Deal``), from its first batch."""
+    now = _world(loader)
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    if (now is None or type(loader.batch_sampler) is not torch.utils.data.BatchSampler
+            or not isinstance(sampler, torch.utils.data.DistributedSampler)):
+        raise ValueError(
+            "resuming mid-epoch at another world size needs a map-style loader whose batches come "
+            "from torch's BatchSampler over a DistributedSampler (fastmm's or torch's); this "
+            f"one has {type(loader.batch_sampler).__name__} over {type(sampler).__name__}")
+    worlds = sorted(tuple(s["world"]) for s in states)
+    world = worlds[0][1]
+    if worlds != [(rank, world) for rank in range(world)]:
+        raise ValueError(f"resuming at another world size needs the state of every rank of the "
+                         f"saved job, once each: got ranks {worlds}")
+    deals = {(d.order_world, json.dumps(d.before), d.world) for d in map(_own_deal, states)}
+    # (a rank whose epoch drew nothing yet has no sampler state of it)
+    epochs = {json.dumps(s["sampler"].get("epoch")) for s in states
+              if isinstance(s.get("sampler"), dict)}
+    if len(deals) > 1 or len(epochs) > 1 or any(s["epoch_done"] for s in states):
+        raise ValueError("the ranks' states are not of one epoch of one job")
+    first = _own_deal(states[0])
+    total = _total_size(states[0]["samples"], first.order_world, sampler.drop_last)
+    handed_out = _mask(first.before, total)
+    for state in states:
+        places = _own_deal(state).places(total, sampler.drop_last)
+        p = Progress(state["num_workers"], batches=state["batches"], ahead=set(state["ahead"]),
+                     handed_out_before=state.get("handed_out_before", []))
+        for start, end in handed_out_places(p, state["batch_size"]):
+            handed_out[places[start:end]] = True
+    template = next(s for s in states if s["world"][0] == now[0] % world)
+    drawn = next((s for s in states if s["sampler_rng"] is not None), None)
+    workers = len(template["workers"])
+    return template | {
+        "world": now, "batches": 0, "ahead": [], "handed_out_before": [],
+        "workers": [None] * workers, "worker_batches": [0] * workers, "last_worker": None,
+        # the epoch's order as it was drawn (no rank drew yet: this one draws it, as its own)
+        "sampler_rng": None if drawn is None else drawn["sampler_rng"],
+        "sampler": template["sampler"] if drawn is None else drawn["sampler"],
+        "deal": None if drawn is None else [first.order_world, _ranges(handed_out), *now]}
 
 
 # -- the state as JSON -----------------------------------------------------------------------
@@ -748,6 +874,7 @@ def encode(loader, progress: Progress | None) -> dict:
         else None,
         "last_worker": p.last_worker if p.mid_epoch else None,
         "handed_out_before": [list(r) for r in p.handed_out_before] if p.mid_epoch else [],
+        "deal": list(p.deal) if p.mid_epoch and p.deal is not None else None,
         # the loader's own generator is its state: where it is now, not where the epoch began
         "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
         "sampler_generator": None if own is None else _b64(_state_of(own)),
@@ -773,6 +900,14 @@ def decode(loader, state: dict) -> Progress:
     reorder, repeat or skip samples, or where the state is damaged (fuzz/fuzz.py state).
     The whole state is read and checked before anything is applied; the sampler's and the
     dataset's own load_state_dict run last, their errors their own."""
+    if isinstance(state, list):  # every rank's, saved at some world size
+        for s in state or [None]:
+            if not isinstance(s, dict) or s.get("fastmm_loader_state") != VERSION:
+                raise ValueError(f"not a fastmm DataLoader state in the list: {s!r:.80}")
+        same = [s for s in state if s.get("world") == _world(loader)]
+        state = same[0] if len(same) == 1 and all(
+            s.get("world", [0, 0])[1] == same[0]["world"][1] for s in state) else (
+            dealt_anew(loader, state) if len(state) > 1 else state[0])
     try:
         p, sampler_state, generator_states = _read(loader, state)
         dataset_loads = _own_loads(loader.dataset, state.get("dataset"))
@@ -791,7 +926,14 @@ def _elastic(loader, state: dict, now: dict, changed: list[str]) -> bool:
     """Whether the rest of a map-style epoch saved at another shape can be dealt out at this
     one, each sample not handed out once: another worker count (the same batches, fresh worker
     RNGs), another batch size (the sampler's order re-batched, where both loaders' batches
-    come from torch's BatchSampler)."""
+    come from torch's BatchSampler).
+
+    Args:
+        loader: the loader restoring.
+        state: the saved state.
+        now: the loader's own shape (``_shape``).
+        changed: the keys of the shape that differ.
+    """
     if now["kind"] != "map" or not set(changed) <= {"num_workers", "batch_size"}:
         return False
     return "batch_size" not in changed or (
@@ -839,6 +981,9 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         p.worker_batches = list(state["worker_batches"])
         p.last_worker = state["last_worker"]
         p.handed_out_before = state.get("handed_out_before", [])  # (older states lack it)
+        deal = state.get("deal")
+        p.deal = None if deal is None else Deal(int(deal[0]), [list(r) for r in deal[1]],
+                                                int(deal[2]), int(deal[3]))
         _check(_count(p.batches) and all(map(_count, p.ahead)) and len(p.ahead) <= p.batches
                and all(a > p.first_missing for a in p.ahead), "ahead")
         before = p.handed_out_before
