@@ -52,14 +52,14 @@ class Result(NamedTuple):
     payload: object  # a Packed batch (collate.pack), or None at "end"
     used: list  # the slots of the slabs the payload lies in
     new: list  # NewSlab: slabs created for it (their fds: on the fd socket)
-    rng: object  # the worker's RNG states after the task if it changed them, else None
+    rng: object  # the worker's RNG states after the task (encode_rng's) if it changed them
     iter_state: object  # an IterableDataset's resume.iter_state() after the task (resume.py)
     counts: object  # its row of the dataset's skip counts (offers.py) if the task changed it
 
 
 class Restore(NamedTuple):
-    """Where a worker begins: the RNG states to set (None: seeded as torch seeds a new
-    worker), IterableDataset samples to pull and drop, and the iterator state to go on from
+    """Where a worker begins: the RNG states to set (encode_rng's; None: seeded as torch
+    seeds a new worker), IterableDataset samples to pull and drop, and the iterator state to go on from
     (resume.py)."""
 
     rng: object = None

@@ -324,7 +324,7 @@ class _Worker:
             keep_free_heap_for(self.heap_kept_for)
         # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
         self.spec.result_conn.send_bytes(pickle.dumps(
-            Result(task.send_idx, status, payload, used, new, self.rng_changes.changed(),
+            Result(task.send_idx, status, payload, used, new, self.rng_changes.encoded(),
                    iter_state, self.counts_changes.changed()), pickle.DEFAULT_PROTOCOL))
 
     def fetch(self, index) -> _Outcome:
@@ -381,5 +381,5 @@ def _restore(make_fetcher, dataset, restore: Restore):
             fetcher.ended = True
             break
     if restore.rng is not None:
-        resume.apply_rng(restore.rng)
+        resume.apply_rng(resume.decode_rng(restore.rng))
     return fetcher

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import functools
 import json
 import math
 import pickle
@@ -142,6 +143,13 @@ class SentOnChange:
         self._read = read  # read(last value) -> value
         self.last = read(None)
 
+    def encoded(self):
+        """``encode_rng`` of the value where it changed, else None: a worker encodes its RNG
+        states, so the main process's state_dict() only copies them (it may be called every
+        step)."""
+        now = self.changed()
+        return None if now is None else encode_rng(now)
+
     def changed(self):
         now = self._read(self.last)
         if now == self.last:
@@ -150,9 +158,11 @@ class SentOnChange:
         return now
 
 
+@functools.lru_cache(maxsize=16)  # (a generator's state, the same from step to step)
 def _b64(data: bytes) -> str:
-    """Compressed: torch keeps its 32-bit Mersenne Twister words in 64-bit slots."""
-    return base64.b64encode(zlib.compress(data, 6)).decode("ascii")
+    """Compressed: torch keeps its 32-bit Mersenne Twister words in 64-bit slots (level 1: as
+    small as level 6 for these, at a third of the time)."""
+    return base64.b64encode(zlib.compress(data, 1)).decode("ascii")
 
 
 def _unb64(text: str) -> bytes:
@@ -173,6 +183,11 @@ def encode_rng(state: tuple) -> dict:
         key, pos, has_gauss, cached = numpy_state
         out["numpy"] = {"key": _b64(key), "pos": pos, "has_gauss": has_gauss, "gauss": cached}
     return out
+
+
+def _copy_rng(data: dict) -> dict:
+    """A fresh copy of ``encode_rng``'s dict (the caller may change the one it is given)."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
 
 
 def decode_rng(data: dict) -> tuple:
@@ -284,7 +299,8 @@ class Progress:
     # handed out; the batches before it number batches - len(ahead)
     ahead: set = dataclasses.field(default_factory=set)
     done: bool = False  # the epoch ran out
-    worker_rng: list = dataclasses.field(default_factory=list)  # per worker, after its last batch
+    # per worker, its RNG states after its last batch, as encode_rng gives them
+    worker_rng: list = dataclasses.field(default_factory=list)
     worker_batches: list = dataclasses.field(default_factory=list)  # IterableDataset: per worker
     # IterableDataset: per worker (or the one process) its iter_state() after its last batch
     worker_iter_states: list = dataclasses.field(default_factory=list)
@@ -864,7 +880,7 @@ def encode(loader, progress: Progress | None) -> dict:
         # mid-epoch: the sampler as the epoch began; between epochs: as the next one begins
         "sampler": p.sampler_state if p.mid_epoch else (
             sampler.state_dict() if sampler is not None else None),
-        "workers": [None if s is None or not same_workers else encode_rng(s)
+        "workers": [None if s is None or not same_workers else _copy_rng(s)
                     for s in p.worker_rng],
         "worker_batches": list(p.worker_batches) if p.mid_epoch else [0] * p.num_workers,
         # an IterableDataset's: mid-epoch, after each worker's last batch; between epochs,
@@ -973,7 +989,10 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         p.base_seed = state["base_seed"]
         _check(p.base_seed is None or _count(p.base_seed), "base_seed")
         _check(len(state["workers"]) == loader.num_workers, "workers")
-        p.worker_rng = [None if s is None else decode_rng(s) for s in state["workers"]]
+        for rng in state["workers"]:
+            if rng is not None:
+                decode_rng(rng)  # (checked here; kept as encode_rng gives them, as workers send)
+        p.worker_rng = [None if s is None else _copy_rng(s) for s in state["workers"]]
     sampler_state = None
     if mid_epoch:
         p.batches = state["batches"]
