@@ -322,9 +322,13 @@ class _Worker:
         if self.heap_kept_for is not None and self.writer.batch_bytes > self.heap_kept_for:
             self.heap_kept_for = self.writer.batch_bytes
             keep_free_heap_for(self.heap_kept_for)
+        # RNG states encoded here, so the main process's state_dict() (maybe every step) only
+        # copies them
+        rng = self.rng_changes.changed()
         # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
         self.spec.result_conn.send_bytes(pickle.dumps(
-            Result(task.send_idx, status, payload, used, new, self.rng_changes.encoded(),
+            Result(task.send_idx, status, payload, used, new,
+                   None if rng is None else resume.encode_rng(rng),
                    iter_state, self.counts_changes.changed()), pickle.DEFAULT_PROTOCOL))
 
     def fetch(self, index) -> _Outcome:

@@ -143,13 +143,6 @@ class SentOnChange:
         self._read = read  # read(last value) -> value
         self.last = read(None)
 
-    def encoded(self):
-        """``encode_rng`` of the value where it changed, else None: a worker encodes its RNG
-        states, so the main process's state_dict() only copies them (it may be called every
-        step)."""
-        now = self.changed()
-        return None if now is None else encode_rng(now)
-
     def changed(self):
         now = self._read(self.last)
         if now == self.last:
@@ -917,13 +910,7 @@ def decode(loader, state: dict) -> Progress:
     The whole state is read and checked before anything is applied; the sampler's and the
     dataset's own load_state_dict run last, their errors their own."""
     if isinstance(state, list):  # every rank's, saved at some world size
-        for s in state or [None]:
-            if not isinstance(s, dict) or s.get("fastmm_loader_state") != VERSION:
-                raise ValueError(f"not a fastmm DataLoader state in the list: {s!r:.80}")
-        same = [s for s in state if s.get("world") == _world(loader)]
-        state = same[0] if len(same) == 1 and all(
-            s.get("world", [0, 0])[1] == same[0]["world"][1] for s in state) else (
-            dealt_anew(loader, state) if len(state) > 1 else state[0])
+        state = _this_ranks(loader, state)
     try:
         p, sampler_state, generator_states = _read(loader, state)
         dataset_loads = _own_loads(loader.dataset, state.get("dataset"))
@@ -936,6 +923,20 @@ def decode(loader, state: dict) -> Progress:
     for load, dataset_state_dict in dataset_loads:
         load(dataset_state_dict)
     return p
+
+
+def _this_ranks(loader, states: list) -> dict:
+    """This loader's state from every rank's: its own where the world is the same, else the
+    rest of the epoch dealt to it (``dealt_anew``); a single state as it is."""
+    for s in states or [None]:
+        if not isinstance(s, dict) or s.get("fastmm_loader_state") != VERSION:
+            raise ValueError(f"not a fastmm DataLoader state in the list: {s!r:.80}")
+    if len(states) == 1:
+        return states[0]
+    own = [s for s in states if s.get("world") == _world(loader)]
+    if len(own) == 1 and all(s.get("world", [0, 0])[1] == own[0]["world"][1] for s in states):
+        return own[0]
+    return dealt_anew(loader, states)
 
 
 def _elastic(loader, state: dict, now: dict, changed: list[str]) -> bool:
@@ -985,9 +986,12 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
     same_workers = (state["num_workers"] == loader.num_workers
                     and state["persistent_workers"] == loader.persistent_workers)
     p = Progress(loader.num_workers)
-    if same_workers:  # else: a new worker layout starts from fresh seeds, as a new iterator does
+    # the saved workers' base seed; mid-epoch at another shape, fresh worker RNGs from it (the
+    # same on every resume); else a new worker layout draws one, as a new iterator does
+    if same_workers or changed:
         p.base_seed = state["base_seed"]
         _check(p.base_seed is None or _count(p.base_seed), "base_seed")
+    if same_workers:
         _check(len(state["workers"]) == loader.num_workers, "workers")
         for rng in state["workers"]:
             if rng is not None:
@@ -1014,9 +1018,7 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
                 p.handed_out_before = handed_out_places(p, state["batch_size"])
                 p.batches, p.ahead = 0, set()
             p.worker_batches, p.last_worker = [0] * loader.num_workers, None
-            p.worker_rng = [None] * loader.num_workers
-            p.base_seed = state["base_seed"]  # fresh worker RNGs, the same on every resume
-            _check(p.base_seed is None or _count(p.base_seed), "base_seed")
+            p.worker_rng = [None] * loader.num_workers  # (fresh, from the base seed)
         _check(_count(p.batches) and len(p.worker_batches) == loader.num_workers
                and all(map(_count, p.worker_batches)) and sum(p.worker_batches) <= p.batches
                and (p.last_worker is None or _count(p.last_worker)

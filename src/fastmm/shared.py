@@ -90,7 +90,8 @@ def _check_item(x, depth: int = 0) -> bool:
     elif kind in (tuple, list):
         if depth > 32:
             raise NotShareable("it nests deeper than 32 levels")
-        return [_check_item(y, depth + 1) for y in x].count(True) > 0 or kind is list
+        # (every item checked, so no any() short cut)
+        return any([_check_item(y, depth + 1) for y in x]) or kind is list
     elif kind is dict:
         if depth > 32:
             raise NotShareable("it nests deeper than 32 levels")
@@ -163,8 +164,8 @@ def _column(w: _Writer, items: list | tuple, depth: int = 0) -> int:
             at = w.put(_HEADER.pack(b"tupl", n))
             w.put(np.array([width, *children], np.int64).tobytes())
             return at
-    if [_check_item(x, depth) for x in items].count(True):  # mixed, nested or large: each
-        w.holds_mutables = True  # item pickled, once checked
+    if any([_check_item(x, depth) for x in items]):  # mixed, nested or large: each item
+        w.holds_mutables = True  # pickled, once checked (every one)
     return _blobs(w, b"pick", [pickle.dumps(x, protocol=5) for x in items])
 
 
@@ -595,8 +596,10 @@ class DatasetShare:
         self._close_fd = weakref.finalize(self, os.close, fd) if shared else None
         # what holds() checks: what containers() found, and each shared container's references
         self._found = found
+        # (once per container: ImageFolder's imgs is its samples)
         self._copies = None if found is None else [
-            (p.original, _references(p.original)) for p in placements]
+            (original, _references(original))
+            for original in {id(p.original): p.original for p in placements}.values()]
 
     @classmethod
     def build(cls, dataset, min_items: int = MIN_ITEMS,
