@@ -4,11 +4,13 @@ an order that is the same every time the state is resumed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -175,7 +177,7 @@ def _padded(n: int, world: int) -> int:
 
 @pytest.mark.parametrize("world, stops, world2, batch2", [
     (4, [2, 2, 2, 2], 2, 4), (4, [2, 2, 2, 2], 3, 3), (4, [3, 2, 3, 1], 3, 5), (2, [0, 1], 4, 2),
-    (3, [4, 4, 4], 1, 7)])
+    (3, [4, 4, 4], 1, 7), (1, [3], 3, 4)])  # (a one-rank job's one state is every rank's)
 def test_another_world_size_deals_out_the_rest_once_in_equal_batch_counts(world, stops, world2,
                                                                          batch2):
     head, states = _job(world, 4, stops)
@@ -231,12 +233,13 @@ def test_a_change_of_world_names_what_it_lacks():
         plain.load_state_dict(states)
 
 
-def _torchrun(out, world: int, *args) -> None:
+def _torchrun(out, world: int, *args, env: dict | None = None) -> None:
     out.mkdir()
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_elastic_job.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={world}", job, str(out), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -265,3 +268,48 @@ def test_torchrun_jobs_stopped_and_resumed_at_other_shapes(tmp_path):
     # the same states resumed again: the same batches
     _torchrun(tmp_path / "c2", 3, 1, 6, -1, tmp_path / "b")
     assert _job_ids(tmp_path / "c2", 3) == _job_ids(tmp_path / "c", 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_torchrun_stream_jobs_stopped_and_resumed_at_other_shapes(tmp_path, store):
+    """A ShardStream over tar shards (on disk, or in place in a local S3 store): 3 ranks x 2
+    workers stopped at a random step; resumed as 2 ranks x 1 worker and stopped again; resumed
+    as 4 ranks x 2 workers to the epoch's end: every sample handed out, one handed out never
+    read again by a later job unless that job had read everything left, every job's ranks the
+    same number of batches; the same states resumed again give the same batches."""
+    from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
+
+    write_corpus(CorpusSpec(num_images=48, num_videos=0, seed=5, png_fraction=0.0,
+                            image_short_side=(40, 60), large_fraction=0.0, shard_bytes=8_000),
+                 str(tmp_path / "corpus"))
+    local = tmp_path / "corpus" / "shards"
+    keys = {m.rsplit(".", 1)[0] for shard in local.glob("*.tar") for m in _members(shard)}
+    with contextlib.ExitStack() as stack:
+        env = {"JOB_SHARDS": str(local), "OMP_NUM_THREADS": "1"}
+        if store == "s3":
+            pytest.importorskip("moto")
+            from fastmm.bench.s3server import LocalS3
+
+            s3 = stack.enter_context(LocalS3())
+            s3.upload_dir(str(local), "corpus", "shards/")
+            env |= s3.env | {"JOB_SHARDS": "s3://corpus/shards"}
+        stop = random.Random().randint(1, 3)
+        _torchrun(tmp_path / "a", 3, 2, 3, stop, env=env)
+        _torchrun(tmp_path / "b", 2, 1, 4, 2, tmp_path / "a", env=env)
+        _torchrun(tmp_path / "c", 4, 2, 2, -1, tmp_path / "b", env=env)
+        _torchrun(tmp_path / "c2", 4, 2, 2, -1, tmp_path / "b", env=env)
+    seen: set[str] = set()
+    for name, world in (("a", 3), ("b", 2), ("c", 4)):
+        ranks = _job_ids(tmp_path / name, world)
+        assert len({len(batches) for batches in ranks}) == 1, (name, stop)
+        got = {k for batches in ranks for batch in batches for k in batch}
+        assert not got & seen or got | seen == keys, (name, stop)
+        seen |= got
+    assert seen == keys, stop
+    assert _job_ids(tmp_path / "c2", 4) == _job_ids(tmp_path / "c", 4)
+
+
+def _members(shard) -> list[str]:
+    with tarfile.open(shard) as t:
+        return [m.name for m in t.getmembers() if m.isfile()]

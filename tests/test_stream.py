@@ -5,6 +5,7 @@ resume through the loader."""
 from __future__ import annotations
 
 import collections
+import itertools
 import io
 import json
 import os
@@ -237,3 +238,119 @@ def test_a_resumed_stream_counts_each_bad_sample_once(shards, tmp_path, num_work
     assert head + tail == keys
     assert again.dataset.dataset.skipped == whole.dataset.dataset.skipped
     assert sorted(log.made()) == sorted(tail)  # before, the head was made again too
+
+
+# -- the rest of an epoch at another shape (issue 54) -----------------------------------------
+
+def _stream_loader(root, rank, world, workers, batch_size, equal):
+    stream = fastmm.ShardStream(_dataset(root), equal=equal, rank=rank, world_size=world, seed=1)
+    stream.set_epoch(2)
+    return fastmm.DataLoader(stream, batch_size=batch_size, num_workers=workers)
+
+
+def _pieces(root, shapes, stops, equal):
+    """One epoch run as jobs of ``shapes`` (world, workers, batch size), each stopped after
+    ``stops[i]`` batches a rank (the last runs to the end) and resumed by the next from every
+    rank's state (its own, where the world size is the same). Each job's keys, rank by rank,
+    batch by batch."""
+    jobs, states = [], None
+    for i, (world, workers, batch_size) in enumerate(shapes):
+        ranks, saved = [], []
+        for rank in range(world):
+            loader = _stream_loader(root, rank, world, workers, batch_size, equal)
+            if states is not None:
+                same = len(states) == world
+                loader.load_state_dict(states[rank] if same and i % 2 else states)
+            it = iter(loader)
+            stop = stops[i] if i < len(stops) else None
+            ranks.append([b["key"] for b in (itertools.islice(it, stop) if stop else it)])
+            saved.append(json.loads(json.dumps(loader.state_dict())))
+            del it
+        jobs.append(ranks)
+        states = saved
+    return jobs
+
+
+ELASTIC = [  # (shapes, stops)
+    ([(2, 2, 3), (2, 3, 3)], [3]),               # more workers, the same world
+    ([(2, 2, 3), (3, 2, 4)], [2]),               # another world size and batch size
+    ([(2, 2, 3), (1, 0, 5)], [4]),               # one process, no workers
+    ([(1, 2, 4), (4, 1, 2), (2, 2, 3)], [1, 2]),  # changed twice within the epoch
+    ([(2, 1, 3), (3, 2, 2), (3, 2, 2)], [2, 1]),  # a change, then the same shape again
+]
+
+
+@pytest.mark.parametrize("shapes, stops", ELASTIC)
+def test_the_rest_of_a_streams_epoch_at_another_shape_pads_as_before(shards, shapes, stops):
+    """equal="pad": every sample at least once over the pieces of the epoch, a sample handed
+    out never read again by a later piece unless that piece ran out of samples to read, and
+    every rank of each piece the same number of batches."""
+    jobs = _pieces(shards, shapes, stops, "pad")
+    everything = set(_dataset(shards).source.keys())
+    seen: list[str] = []
+    for ranks in jobs:
+        assert len({len(batches) for batches in ranks}) == 1
+        keys = [k for batches in ranks for batch in batches for k in batch]
+        fresh = set(keys) - set(seen)
+        assert not set(keys) & set(seen) or fresh | set(seen) == everything
+        seen += keys
+    assert set(seen) == everything
+
+
+@pytest.mark.parametrize("shapes, stops", ELASTIC)
+def test_the_rest_of_a_streams_epoch_at_another_shape_drops_as_before(shards, shapes, stops):
+    """equal="drop": each sample at most once, every rank the same number of batches."""
+    jobs = _pieces(shards, shapes, stops, "drop")
+    keys = [k for ranks in jobs for batches in ranks for batch in batches for k in batch]
+    assert len(keys) == len(set(keys))
+    for ranks in jobs:
+        assert len({len(batches) for batches in ranks}) == 1
+
+
+def test_a_streams_rest_is_the_same_each_time_it_is_resumed(shards):
+    """The same states resumed twice at the same new shape: the same batches."""
+    first = _pieces(shards, [(2, 2, 3), (3, 1, 2)], [2], "pad")
+    again = _pieces(shards, [(2, 2, 3), (3, 1, 2)], [2], "pad")
+    assert first == again
+
+
+def test_a_streams_rest_counts_the_bad_samples_of_the_job_it_goes_on_from(shards, tmp_path):
+    """Bad samples counted before the change stay counted, once, on the new job's first slot."""
+    for name in sorted(os.listdir(shards)):
+        with tarfile.open(os.path.join(shards, name)) as t:
+            members = [(m, t.extractfile(m).read()) for m in t.getmembers()]
+        with tarfile.open(tmp_path / name, "w") as t:
+            for m, data in members:
+                data = b"not a jpeg" if m.name.endswith(".jpg") and "3" in m.name else data
+                m.size = len(data)
+                t.addfile(m, io.BytesIO(data))
+
+    def make(workers):
+        return fastmm.DataLoader(fastmm.ShardStream(_dataset(str(tmp_path), on_error="skip")),
+                                 batch_size=3, num_workers=workers)
+
+    whole = make(2)
+    list(whole)
+    bad = whole.dataset.dataset.skipped
+    assert bad
+    loader = make(2)
+    it = iter(loader)
+    head = [k for _ in range(4) for k in next(it)["key"]]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    again = make(1)
+    again.load_state_dict(state)
+    tail = [k for b in again for k in b["key"]]
+    assert set(head) | set(tail) == {k for b in make(2) for k in b["key"]}
+    assert again.dataset.dataset.skipped == bad
+
+
+def test_a_stream_given_one_ranks_state_at_another_world_size_asks_for_every_ranks(shards):
+    loader = _stream_loader(shards, 0, 2, 1, 3, "pad")
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=r"world: saved \[0, 2\], now \[0, 3\].*every rank"):
+        _stream_loader(shards, 0, 3, 1, 3, "pad").load_state_dict(state)
+    with pytest.raises(ValueError, match=r"every rank of the saved job, once each"):
+        _stream_loader(shards, 0, 3, 1, 3, "pad").load_state_dict([state, state])

@@ -781,11 +781,7 @@ def dealt_anew(loader, states: list) -> dict:
             "resuming mid-epoch at another world size needs a map-style loader whose batches come "
             "from torch's BatchSampler over a DistributedSampler (fastmm's or torch's); this "
             f"one has {type(loader.batch_sampler).__name__} over {type(sampler).__name__}")
-    worlds = sorted(tuple(s["world"]) for s in states)
-    world = worlds[0][1]
-    if worlds != [(rank, world) for rank in range(world)]:
-        raise ValueError(f"resuming at another world size needs the state of every rank of the "
-                         f"saved job, once each: got ranks {worlds}")
+    world = _every_rank_once(states)
     deals = {(d.order_world, json.dumps(d.before), d.world) for d in map(_own_deal, states)}
     # (a rank whose epoch drew nothing yet has no sampler state of it)
     epochs = {json.dumps(s["sampler"].get("epoch")) for s in states
@@ -912,7 +908,7 @@ def decode(loader, state: dict) -> Progress:
     if isinstance(state, list):  # every rank's, saved at some world size
         state = _this_ranks(loader, state)
     try:
-        p, sampler_state, generator_states = _read(loader, state)
+        p, sampler_state, generator_states, stopped = _read(loader, state)
         dataset_loads = _own_loads(loader.dataset, state.get("dataset"))
     except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise ValueError(f"a damaged fastmm DataLoader state ({type(e).__name__}: {e})") from None
@@ -922,6 +918,8 @@ def decode(loader, state: dict) -> Progress:
         _set_state(generator, generator_state)
     for load, dataset_state_dict in dataset_loads:
         load(dataset_state_dict)
+    if stopped is not None:  # a stream's epoch begun at another shape: the rest at this one
+        loader.dataset.rest_of_epoch(stopped)
     return p
 
 
@@ -931,12 +929,48 @@ def _this_ranks(loader, states: list) -> dict:
     for s in states or [None]:
         if not isinstance(s, dict) or s.get("fastmm_loader_state") != VERSION:
             raise ValueError(f"not a fastmm DataLoader state in the list: {s!r:.80}")
-    if len(states) == 1:
-        return states[0]
     own = [s for s in states if s.get("world") == _world(loader)]
+    if len(states) == 1 and (own or (states[0].get("world") or [0, 0])[1] != 1):
+        return states[0]  # (a one-rank job's state is every rank's)
     if len(own) == 1 and all(s.get("world", [0, 0])[1] == own[0]["world"][1] for s in states):
         return own[0]
+    if all(s.get("kind") == "iterable" for s in states):
+        return _stream_anew(loader, states)
     return dealt_anew(loader, states)
+
+
+def _every_rank_once(states: list) -> int:
+    """The saved job's world size, where ``states`` hold each of its ranks once."""
+    worlds = sorted(tuple(s["world"]) for s in states)
+    world = worlds[0][1]
+    if worlds != [(rank, world) for rank in range(world)]:
+        raise ValueError(f"resuming at another world size needs the state of every rank of the "
+                         f"saved job, once each: got ranks {worlds}")
+    return world
+
+
+def _stopped_place(state: dict) -> dict:
+    """A saved rank's place in its stream's epoch, as ``rest_of_epoch`` reads it."""
+    return {"rank": state["world"][0], "world": state["world"][1],
+            "num_workers": state["num_workers"], "stream": state["dataset"],
+            "slots": [None if s is None else "ended" if s[0] == "ended" else s[1]
+                      for s in state["worker_streams"]]}
+
+
+def _stream_anew(loader, states: list) -> dict:
+    """This rank's state for the rest of a stream's epoch that ``states`` (every rank's of a
+    job of another world size) began: its stream deals out what no rank read (``stopped``)."""
+    if not callable(getattr(loader.dataset, "rest_of_epoch", None)) or _world(loader) is None:
+        raise ValueError(
+            "resuming an IterableDataset mid-epoch at another world size needs one that deals "
+            f"out the rest of its epoch (fastmm's ShardStream); this loader has "
+            f"{type(loader.dataset).__name__}")
+    _every_rank_once(states)
+    epochs = {json.dumps(s["dataset"].get("epoch")) for s in states
+              if isinstance(s.get("dataset"), dict)}
+    if len(epochs) != 1 or any(s["epoch_done"] for s in states):
+        raise ValueError("the ranks' states are not of one epoch of one job")
+    return states[0] | {"world": _world(loader), "stopped": [_stopped_place(s) for s in states]}
 
 
 def _elastic(loader, state: dict, now: dict, changed: list[str]) -> bool:
@@ -951,16 +985,21 @@ def _elastic(loader, state: dict, now: dict, changed: list[str]) -> bool:
         now: the loader's own shape (``_shape``).
         changed: the keys of the shape that differ.
     """
-    if now["kind"] != "map" or not set(changed) <= {"num_workers", "batch_size"}:
+    if now["kind"] == "iterable":  # a stream that deals out the rest of its epoch
+        return (set(changed) <= {"num_workers", "batch_size"}
+                and callable(getattr(loader.dataset, "rest_of_epoch", None)))
+    if not set(changed) <= {"num_workers", "batch_size"}:
         return False
     return "batch_size" not in changed or (
         state["batch_size"] is not None and now["batch_size"] is not None
         and type(loader.batch_sampler) is torch.utils.data.BatchSampler)
 
 
-def _read(loader, state: dict) -> tuple[Progress, object, list]:
+def _read(loader, state: dict) -> tuple[Progress, object, list, list | None]:
     """The Progress in ``state``, and the states to set now (between epochs, the sampler's;
-    the loader's generator and the sampler's own, as (generator, state) pairs), checked."""
+    the loader's generator and the sampler's own, as (generator, state) pairs), checked; and
+    where a stream's epoch was begun at another shape, the stopped ranks' places in it (else
+    None)."""
     if not isinstance(state, dict) or state.get("fastmm_loader_state") != VERSION:
         raise ValueError(
             "not a fastmm DataLoader state (version "
@@ -970,15 +1009,19 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
     mid_epoch = not state["epoch_done"]
     now = _shape(loader)
     changed = [k for k in now if state[k] != now[k]] if mid_epoch else []
+    stopped = state.get("stopped") if mid_epoch else None  # (_stream_anew: every rank's)
+    if mid_epoch and now["kind"] == "iterable" and changed and stopped is None:
+        stopped = [_stopped_place(state)]
     if changed and not _elastic(loader, state, now, changed):
         raise ValueError(
             "cannot resume mid-epoch with a different loader: " + "; ".join(
                 f"{k}: saved {state[k]!r}, now {now[k]!r}" for k in changed)
             + ". The batches left in the epoch would differ (samples repeated, skipped or "
             "reordered, or other augmentation draws). A map-style dataset's loader may change "
-            "num_workers, and batch_size where its batches come from torch's BatchSampler; "
-            "otherwise resume with the same settings, or from a state saved at an epoch "
-            "boundary."
+            "num_workers, and batch_size where its batches come from torch's BatchSampler; a "
+            "ShardStream's, num_workers and batch_size; either, the world size, given every "
+            "rank's state (load_state_dict([rank0_state, rank1_state, ...])). Otherwise resume "
+            "with the same settings, or from a state saved at an epoch boundary."
         )
     if not mid_epoch and state["kind"] != now["kind"]:
         raise ValueError(f"the state is for a {state['kind']}-style dataset, this loader has a "
@@ -1013,8 +1056,10 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         _check(isinstance(before, list) and all(
             isinstance(r, list) and len(r) == 2 and all(map(_count, r)) and r[0] < r[1]
             for r in before) and merge_places(before) == before, "handed_out_before")
-        if changed:  # another shape: the rest of the epoch at this one (_elastic)
-            if "batch_size" in changed:
+        if changed or stopped:  # another shape: the rest of the epoch at this one (_elastic)
+            if stopped:  # (the stream deals it: rest_of_epoch)
+                p.batches, p.ahead, p.handed_out_before = 0, set(), []
+            elif "batch_size" in changed:
                 p.handed_out_before = handed_out_places(p, state["batch_size"])
                 p.batches, p.ahead = 0, set()
             p.worker_batches, p.last_worker = [0] * loader.num_workers, None
@@ -1036,7 +1081,8 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
         if _sampler_with_state(loader) is not None:
             sampler_state = state["sampler"]
     iter_states = state.get("worker_streams")  # (saved under its first name; older states lack it)
-    if iter_states is not None and now["kind"] == "iterable" and (mid_epoch or same_workers):
+    if (iter_states is not None and now["kind"] == "iterable" and (mid_epoch or same_workers)
+            and not stopped):
         _check(isinstance(iter_states, list) and len(iter_states) == max(1, loader.num_workers)
                and all(s is None or isinstance(s, (list, tuple)) and len(s) == 2
                        and s[0] in ("iterator", "dataset", "ended", "carried")
@@ -1047,4 +1093,4 @@ def _read(loader, state: dict) -> tuple[Progress, object, list]:
     generator_states = [(g, _torch_state(state[key])) for g, key in (
         (loader.generator, "generator"), (sampler_generator(loader), "sampler_generator"))
         if g is not None and state.get(key) is not None]
-    return p, sampler_state, generator_states
+    return p, sampler_state, generator_states, stopped

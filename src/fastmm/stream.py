@@ -4,6 +4,7 @@ for a rank that ran out."""
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
@@ -27,7 +28,9 @@ class ShardStream(IterableDataset):
     Call ``set_epoch(epoch)`` before each epoch to reshuffle, as with torch's
     DistributedSampler; ``fastmm.DataLoader`` passes it on to persistent workers too. Its
     iterators keep their place in state_dict(), so a resumed loader goes on from there without
-    reading again what was handed out.
+    reading again what was handed out. A loader restored mid-epoch with another
+    ``num_workers`` or ``batch_size``, or, given every rank's state, at another world size,
+    deals the samples not read yet to its slots (``rest_of_epoch``).
 
     Args:
         dataset: the MultimodalDataset over tar shards.
@@ -54,6 +57,7 @@ class ShardStream(IterableDataset):
         self.rank, self.world_size = where.rank, where.world_size
         self.epoch = 0
         self.shards = self._group()
+        self.rest: dict | None = None  # this epoch's samples left when a job of another shape stopped
 
     def _group(self) -> list[list[int]]:
         """The dataset's indices, shard by shard (in file order within each)."""
@@ -69,6 +73,8 @@ class ShardStream(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
+        if self.rest is not None and self.rest["epoch"] != self.epoch:
+            self.rest = None
 
     @property
     def fastmm_epoch(self) -> int:
@@ -97,19 +103,89 @@ class ShardStream(IterableDataset):
             )
         return slots, max(load) if self.equal == "pad" else min(load)
 
+    def slots(self, num_workers: int) -> tuple[list[list[int]], int, int]:
+        """This epoch's samples (dataset indices, in read order) of each slot this rank's plan
+        covers, how many each yields, and this rank's first slot among them. The slots of
+        every rank, from ``plan``; after ``rest_of_epoch``, the samples left dealt in even
+        runs to the slots of the ranks the rest is for (every rank's, or this one's)."""
+        rest = self.rest if self.rest is not None and self.rest["epoch"] == self.epoch else None
+        if rest is None:
+            plan, per_slot = self.plan(num_workers)
+            return ([[i for shard in shards for i in self.shards[shard]] for shards in plan],
+                    per_slot, self.rank * num_workers)
+        left = [i for start, end in rest["ranges"] for i in range(start, end)]
+        count = rest["ranks"] * num_workers
+        runs = [left[k * len(left) // count:(k + 1) * len(left) // count] for k in range(count)]
+        samples = rest["samples"]
+        per_slot = -(-samples // count) if self.equal == "pad" else samples // count
+        if self.equal == "pad" and per_slot:  # a slot dealt nothing goes round another sample
+            again = left or [i for shard in self.shards for i in shard]
+            runs = [run or [again[k % len(again)]] for k, run in enumerate(runs)]
+        return runs, per_slot, (self.rank if rest["ranks"] > 1 else 0) * num_workers
+
     def __iter__(self):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        slots, per_slot = self.plan(num_workers)
-        indices = [i for shard in slots[self.rank * num_workers + worker] for i in self.shards[shard]]
-        return _Slot(self, indices, per_slot, worker)
+        slots, per_slot, first = self.slots(num_workers)
+        carried = self.rest["counted"] if (self.rest is not None and worker == 0 and first == 0
+                                           and self.rest["epoch"] == self.epoch) else None
+        return _Slot(self, slots[first + worker], per_slot, worker, carried)
+
+    def rest_of_epoch(self, saved: list[dict]) -> None:
+        """Go on with the rest of this epoch at this job's shape, where a job of another shape
+        stopped (fastmm.DataLoader calls it when a state saved mid-epoch is loaded at another
+        ``num_workers``, ``batch_size`` or world size). Every sample no slot had read is read
+        once, in even runs over the new slots (the same on every rank); each slot yields its
+        share of what the stopped slots still had to yield, ``equal`` as before; the bad
+        samples they counted are counted by this job's first slot.
+
+        Args:
+            saved: each stopped rank's place: ``rank``, ``world``, ``num_workers``,
+                ``stream`` (this ShardStream's state_dict() as the epoch began) and
+                ``slots`` (each of its workers' slot state_dict(), None where it handed out
+                nothing, "ended" where it yielded its last). Every rank's, or only this
+                rank's where the world size is the same (the rest is then this rank's alone).
+        """
+        left, samples, counted = [], 0, None
+        for place in sorted(saved, key=lambda p: p["rank"]):
+            view = copy.copy(self)
+            view.rank, view.world_size = place["rank"], place["world"]
+            view.epoch = int(place["stream"]["epoch"])
+            view.rest = place["stream"].get("rest")
+            workers = max(1, place["num_workers"])
+            slots, per_slot, first = view.slots(workers)
+            for worker, state in enumerate(place["slots"]):
+                tried, yielded = ((0, 0) if state is None else (per_slot, per_slot)
+                                  if state == "ended" else (state["tried"], state["yielded"]))
+                owed = max(0, per_slot - yielded)
+                run = slots[first + worker][tried:]
+                left += run if self.equal == "pad" else run[:owed]
+                samples += owed
+                if isinstance(state, dict):
+                    counted = [a + b for a, b in zip(counted or [0] * len(state["counted"]),
+                                                     state["counted"])]
+        ranks = 1 if len(saved) == 1 and saved[0]["world"] == self.world_size else self.world_size
+        self.rest = {"epoch": self.epoch, "ranges": _runs(left), "samples": samples,
+                     "ranks": ranks, "counted": counted}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "dataset": self.dataset.state_dict()}
+        return {"epoch": self.epoch, "dataset": self.dataset.state_dict(), "rest": self.rest}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.dataset.load_state_dict(state["dataset"])
+        self.rest = state.get("rest")  # (states saved before rest_of_epoch lack it)
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """``indices`` as [start, end) runs of consecutive values, in their order."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, i + 1])
+    return runs
 
 
 class _Slot:
@@ -123,15 +199,19 @@ class _Slot:
         indices: the dataset's indices in the slot's shards, in the order they are read.
         per_slot: how many samples the slot yields this epoch (ShardStream.plan).
         worker: the worker it runs in (0 without workers), for errors.
+        carried: bad samples counted this epoch by the job of another shape it goes on from.
     """
 
-    def __init__(self, stream: ShardStream, indices: list[int], per_slot: int, worker: int):
+    def __init__(self, stream: ShardStream, indices: list[int], per_slot: int, worker: int,
+                 carried: list[int] | None = None):
         self.stream, self.indices, self.per_slot, self.worker = stream, indices, per_slot, worker
         self.tried = 0  # samples tried, going round the slot's shards again under "pad"
         self.yielded = 0
         self.made = 0  # yielded in this round of the shards: a round with none was all bad
         self._counters = stream.dataset.fastmm_skip_counts
         self._base = self._counts()  # this process's counts as the slot began
+        if carried:  # bad samples a job of another shape counted this epoch: counted as ours
+            self._counters.set_row(this_worker(), [n + c for n, c in zip(self._base, carried)])
 
     def __iter__(self):
         return self
