@@ -973,13 +973,41 @@ def test_state_cost_run_times_state_dict_for_both_loaders(tmp_path):
     assert "state_dict()" in result["finding"]["text"] and (out / "report.html").exists()
 
 
+def _copy_on_read_case(ours: list[int], theirs: list[int], size: int, same=True) -> dict:
+    from fastmm.bench import stats
+
+    return {"dataset": "lists", "items": 10, "dataset_bytes": size, "same_batches": same,
+            "rounds": [{"runs": {"fastmm": {"peak_private_bytes": o},
+                                 "torch": {"peak_private_bytes": t}}}
+                       for o, t in zip(ours, theirs)],
+            "fastmm_private_over_dataset": stats.summarize([o / size for o in ours]),
+            "torch_private_over_dataset": stats.summarize([t / size for t in theirs]),
+            "rate_ratio": stats.summarize([1.0] * len(ours)), "first_batch_ratio": {}}
+
+
+@pytest.mark.parametrize("ours, theirs, same, call", [
+    ([20, 25], [300, 310], True, "roll out"),      # at most 0.3x the dataset in every round
+    ([20, 35], [300, 310], True, "undecided"),     # less than torch's, over the bar once
+    ([20, 320], [300, 310], True, "roll back"),    # as much as torch's in a round
+    ([20, 25], [300, 310], False, "roll back"),    # different batches
+])
+def test_copy_on_read_calls_on_the_bar_torch_and_the_batches(ours, theirs, same, call):
+    from fastmm.bench import copy_on_read
+
+    found = copy_on_read.finding({"datasets": [_copy_on_read_case(ours, theirs, 100, same)]})
+    assert found["call"] == call
+    assert ("the same batches" in found["text"]) == same
+
+
 @pytest.mark.slow
 def test_copy_on_read_run_measures_both_loaders_private_memory_and_first_batch(tmp_path):
     """The copy-on-read benchmark (here small): both loaders, the same batches, each worker's
-    private memory over the epoch, the first batch timed in a process of its own, a finding."""
-    from fastmm.bench import copy_on_read
+    private memory over the epoch, the first batch timed in a process of its own, a finding;
+    its report and the main job's index show the memory over the epoch and the peaks."""
+    from fastmm.bench import copy_on_read, suite
+    from _browser import render
 
-    out = tmp_path / "out"
+    out = tmp_path / "copy-on-read"
     assert copy_on_read.main(["--items", "20000", "--rounds", "2", "--num-workers", "2",
                               "--datasets", "lists", "--methods", "forkserver",
                               "--out", str(out)]) == 0
@@ -996,5 +1024,12 @@ def test_copy_on_read_run_measures_both_loaders_private_memory_and_first_batch(t
     assert case["first_batch_growth_s"]["forkserver"]["torch"]["n"] == 2
     assert "the dataset's size added" in result["finding"]["text"]
     assert case["fastmm_private_over_dataset"]["n"] == 2
-    assert result["finding"]["call"] in ("roll out", "roll back")
-    assert (out / "report.html").exists()
+    assert result["finding"]["call"] in ("roll out", "undecided")  # (20,000 items: small)
+    plots = ["lists-over-time", "peak-over-dataset"]
+    assert list(render(out / "report.html")["plots"]) == plots
+    (part,) = [p for p in suite.PARTS if p.name == "copy-on-read"]
+    suite.index(str(tmp_path), [(part, 0, 30.0)], 30.0)
+    index = render(tmp_path / "index.html")
+    assert index["answer"][0].startswith(f"{part.title}: {result['finding']['text']} Call: ")
+    assert list(index["plots"]) == [f"copy-on-read-{name}" for name in plots]
+    assert index["links"] == ["copy-on-read/report.html"] * 2

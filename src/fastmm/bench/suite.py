@@ -13,7 +13,10 @@ link to its own report. Parts (each its own process, its own environment record 
 4. ``gpu-decode``: study 2, decode in the CPU workers or on the GPU next to a model step (its
    GPU arms only where CUDA is);
 5. ``decode-rates``, where CUDA is: nvJPEG and NVDEC against CPU cores (the crossover);
-6. ``shards``: study 3, a file per sample against 1 MB tar shards, those shards in a local S3
+6. ``copy-on-read``: a Dataset holding its index in Python lists (and torchvision's
+   ImageFolder), read by 4 workers of each loader: the workers' private memory against the
+   dataset's size, and the time to the first batch under spawn and forkserver;
+7. ``shards``: study 3, a file per sample against 1 MB tar shards, those shards in a local S3
    store read in place and staged per node, in real torchrun (gloo) jobs at world size 2 on one
    node and as two node launches (the study's own default runs world size 2 and 4).
 
@@ -62,11 +65,22 @@ PARTS = (
          "gpu-decode/gpu_decode.json", "gpu-decode/report.html"),
     Part("decode-rates", "Decode rates: the GPU decode crossover", "fastmm.bench.decode_rates",
          "decode-rates/decode_rates.json", "decode-rates/report.html"),
+    Part("copy-on-read", "Workers' memory with a dataset held in Python objects (copy-on-read)",
+         "fastmm.bench.copy_on_read", "copy-on-read/copy_on_read.json",
+         "copy-on-read/report.html"),
     Part("shards", "Study 3: sharded storage under torchrun", "fastmm.bench.study_shards",
          "shards/shards.json", "shards/report.html"),
 )
 # the order they run in; decode-rates only where CUDA is (without a GPU it measures no crossover)
-NAMES = ("loader", "pipeline", "staging", "gpu-decode", "decode-rates", "shards")
+NAMES = ("loader", "pipeline", "staging", "gpu-decode", "decode-rates", "copy-on-read",
+         "shards")
+
+
+# 500,000 items (the index's growth shows at any size; the issue's 2M is the part's own default),
+# the memory of 6 rounds, the first batch timed in 3 of them (each timing a fresh process)
+COPY_ON_READ = ["--items", "500000", "--rounds", "6", "--first-batch-rounds", "3"]
+COPY_ON_READ_QUICK = ["--items", "20000", "--rounds", "1", "--datasets", "lists",
+                      "--methods"]  # (none timed: each timing starts interpreters)
 
 
 def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
@@ -97,6 +111,9 @@ def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
     if name == "pipeline":  # the lead's runner: a Dataset and a step from the examples
         where = ["--dataset", f"{EXAMPLE}:dataset", "--step", f"{EXAMPLE}:train_step",
                  "--batch-size", "32", "--num-workers", "2", "--out", os.path.join(out, name)]
+    if name == "copy-on-read":  # no corpus: its datasets are built in memory
+        where = ["--out", os.path.join(out, name)]
+        extra = COPY_ON_READ_QUICK if quick else COPY_ON_READ
     return where + extra
 
 
