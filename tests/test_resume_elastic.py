@@ -273,17 +273,18 @@ def test_torchrun_jobs_stopped_and_resumed_at_other_shapes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_torchrun_stream_jobs_stopped_and_resumed_at_other_shapes(tmp_path, store):
-    """A ShardStream over tar shards (on disk, or in place in a local S3 store): 3 ranks x 2
-    workers stopped at a random step; resumed as 2 ranks x 1 worker and stopped again; resumed
-    as 4 ranks x 2 workers to the epoch's end: every sample handed out, one handed out never
+    """A ShardStream over tar shards (on disk, or in place in a local S3 store): 4 ranks x 2
+    workers stopped at a random step; resumed as 2 ranks x 3 workers and stopped again; resumed
+    as 3 ranks x 1 worker to the epoch's end: every sample handed out, one handed out never
     read again by a later job unless that job had read everything left, every job's ranks the
     same number of batches; the same states resumed again give the same batches."""
     from fastmm.bench.mmcorpus import CorpusSpec, write_corpus
 
-    write_corpus(CorpusSpec(num_images=48, num_videos=0, seed=5, png_fraction=0.0,
+    write_corpus(CorpusSpec(num_images=64, num_videos=0, seed=5, png_fraction=0.0,
                             image_short_side=(40, 60), large_fraction=0.0, shard_bytes=8_000),
                  str(tmp_path / "corpus"))
     local = tmp_path / "corpus" / "shards"
+    assert len(list(local.glob("*.tar"))) >= 8  # a shard for each of 4 ranks x 2 workers
     keys = {m.rsplit(".", 1)[0] for shard in local.glob("*.tar") for m in _members(shard)}
     with contextlib.ExitStack() as stack:
         env = {"JOB_SHARDS": str(local), "OMP_NUM_THREADS": "1"}
@@ -295,19 +296,19 @@ def test_torchrun_stream_jobs_stopped_and_resumed_at_other_shapes(tmp_path, stor
             s3.upload_dir(str(local), "corpus", "shards/")
             env |= s3.env | {"JOB_SHARDS": "s3://corpus/shards"}
         stop = random.Random().randint(1, 3)
-        _torchrun(tmp_path / "a", 3, 2, 3, stop, env=env)
-        _torchrun(tmp_path / "b", 2, 1, 4, 2, tmp_path / "a", env=env)
-        _torchrun(tmp_path / "c", 4, 2, 2, -1, tmp_path / "b", env=env)
-        _torchrun(tmp_path / "c2", 4, 2, 2, -1, tmp_path / "b", env=env)
+        _torchrun(tmp_path / "a", 4, 2, 3, stop, env=env)
+        _torchrun(tmp_path / "b", 2, 3, 2, 2, tmp_path / "a", env=env)
+        _torchrun(tmp_path / "c", 3, 1, 4, -1, tmp_path / "b", env=env)
+        _torchrun(tmp_path / "c2", 3, 1, 4, -1, tmp_path / "b", env=env)
     seen: set[str] = set()
-    for name, world in (("a", 3), ("b", 2), ("c", 4)):
+    for name, world in (("a", 4), ("b", 2), ("c", 3)):
         ranks = _job_ids(tmp_path / name, world)
         assert len({len(batches) for batches in ranks}) == 1, (name, stop)
         got = {k for batches in ranks for batch in batches for k in batch}
         assert not got & seen or got | seen == keys, (name, stop)
         seen |= got
     assert seen == keys, stop
-    assert _job_ids(tmp_path / "c2", 4) == _job_ids(tmp_path / "c", 4)
+    assert _job_ids(tmp_path / "c2", 3) == _job_ids(tmp_path / "c", 3)
 
 
 def _members(shard) -> list[str]:

@@ -354,3 +354,36 @@ def test_a_stream_given_one_ranks_state_at_another_world_size_asks_for_every_ran
         _stream_loader(shards, 0, 3, 1, 3, "pad").load_state_dict(state)
     with pytest.raises(ValueError, match=r"every rank of the saved job, once each"):
         _stream_loader(shards, 0, 3, 1, 3, "pad").load_state_dict([state, state])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("equal", ["pad", "drop"])
+def test_any_chain_of_stream_shapes_against_the_set_model(shards, equal):
+    """Random chains of (world, workers, batch size, stop) over one epoch, against the set
+    model: pad, every sample at least once and none handed out read again while some were left
+    unread; drop, each at most once; every piece's ranks the same number of batches."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=12, deadline=None, database=None)
+    @hypothesis.given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 2),
+                                         st.integers(1, 5), st.integers(1, 3)),
+                               min_size=2, max_size=3))
+    def check(chain):
+        shapes = [(world, workers, size) for world, workers, size, _ in chain]
+        stops = [stop for *_, stop in chain[:-1]]
+        jobs = _pieces(shards, shapes, stops, equal)
+        everything = set(_dataset(shards).source.keys())
+        seen: list[str] = []
+        for ranks in jobs:
+            assert len({len(batches) for batches in ranks}) == 1
+            keys = [k for batches in ranks for batch in batches for k in batch]
+            if equal == "drop":
+                assert not set(keys) & set(seen) and len(keys) == len(set(keys))
+            else:
+                assert not set(keys) & set(seen) or set(keys) | set(seen) == everything
+            seen += keys
+        if equal == "pad":
+            assert set(seen) == everything
+
+    check()
