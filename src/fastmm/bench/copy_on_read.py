@@ -279,9 +279,11 @@ def figures(result: dict) -> list[tuple]:
     out = []
     for case in result["datasets"]:
         runs = case["rounds"][0]["runs"]
-        series = {kind: ([t for t, _ in runs[kind]["series"]],
-                         [sum(u or 0 for u in row) for _, row in runs[kind]["series"]])
-                  for kind in LOADERS}
+        # (a sweep after every worker exited reads nothing: not a zero)
+        live = {kind: [(t, row) for t, row in runs[kind]["series"]
+                       if any(u is not None for u in row)] for kind in LOADERS}
+        series = {kind: ([t for t, _ in rows], [sum(u or 0 for u in row) for _, row in rows])
+                  for kind, rows in live.items()}
         out.append((f"{case['dataset']}-over-time",
                     plots.over_time(series, "workers' private memory, MiB (summed)", 2**-20),
                     f"{case['dataset']}, {case['items']:,} items "

@@ -88,10 +88,9 @@ COPY_ON_READ_QUICK = ["--items", "20000", "--rounds", "1", "--datasets", "lists"
 def arguments(name: str, out: str, cache: str, quick: bool) -> list[str]:
     """A part's command-line arguments. Sized so that the whole job takes about 10 minutes on
     a 2-core machine, the headline figures with 6 repetitions (the fewest that give a 95% CI).
-    The defaults took 677 s here on 2026-12-06 at c2b0195, since every call rests on a content
-    check (loader 96, pipeline 175, staging 102 with its object-store arm, gpu-decode 47,
-    shards 257 with the store's layouts, two node launches and each layout's samples read back
-    and compared); 458-513 s before those checks. Each
+    The defaults took 732 s here on 2026-12-06 at f791ed2 (loader 95, pipeline 144, staging
+    93 with its object-store arm, gpu-decode 38, copy-on-read 154, shards 207 with the store's
+    layouts, two node launches and each layout's samples read back and compared). Each
     part's own default run is fuller (the loader's decode cases, 400 images to stage, three
     shard sizes)."""
     where = ["--out", os.path.join(out, name), "--cache-dir", cache]
