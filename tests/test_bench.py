@@ -1039,3 +1039,12 @@ def test_copy_on_read_run_measures_both_loaders_private_memory_and_first_batch(t
     assert index["answer"][0].startswith(f"{part.title}: {result['finding']['text']} Call: ")
     assert list(index["plots"]) == [f"copy-on-read-{name}" for name in plots]
     assert index["links"] == ["copy-on-read/report.html"] * 2
+
+
+def test_the_copy_on_read_module_imports_no_plotting():
+    """Under spawn every worker imports the module it was started from (``__mp_main__``): its
+    first batch would time matplotlib's import too (0.6 s here), for both loaders."""
+    done = subprocess.run([sys.executable, "-c", "import sys, fastmm.bench.copy_on_read; "
+                           "print('matplotlib' in sys.modules)"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -32,7 +32,7 @@ import torch
 
 import fastmm
 
-from . import env, options, plots, stats
+from . import env, options, stats
 from .harness import OtherCores
 from ..shared import containers, python_bytes
 from .report import busy_notes, save_study
@@ -276,6 +276,8 @@ def figures(result: dict) -> list[tuple]:
     """(name, Figure, caption): the workers' private memory over the epoch of the first round,
     both loaders on one plot per dataset (torch's grows as its workers read the index;
     fastmm's should not), and the peak over the dataset's size of every round."""
+    from . import plots  # (matplotlib: not for the workers a spawn start imports this into)
+
     out = []
     for case in result["datasets"]:
         runs = case["rounds"][0]["runs"]
