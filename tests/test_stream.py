@@ -387,3 +387,19 @@ def test_any_chain_of_stream_shapes_against_the_set_model(shards, equal):
             assert set(seen) == everything
 
     check()
+
+
+def test_a_damaged_or_hostile_rest_is_refused_by_name(shards):
+    """A saved rest whose runs leave the dataset, or whose slots are not this job's, would list
+    billions of indices or slots: refused before it is used, as a damaged position is."""
+    stream = fastmm.ShardStream(_dataset(shards), rank=0, world_size=2)
+    state = stream.state_dict()
+    good = {"epoch": 0, "ranges": [[0, 5]], "samples": 5, "ranks": 2, "counted": None}
+    stream.load_state_dict(state | {"rest": good})
+    for bad in ({"ranges": [[0, 10**12]]}, {"ranks": 10**9}, {"samples": -1},
+                {"ranges": [[5, 5]]}, {"counted": ["x"]}, {"epoch": "0"}):
+        with pytest.raises(ValueError, match="a damaged ShardStream state"):
+            stream.load_state_dict(state | {"rest": good | bad})
+    with pytest.raises(ValueError, match="a damaged ShardStream position"):
+        stream.rest_of_epoch([{"rank": 0, "world": 2, "num_workers": 1, "stream": state,
+                               "slots": [{"tried": -3, "yielded": 0}]}])

@@ -146,27 +146,38 @@ class ShardStream(IterableDataset):
                 nothing, "ended" where it yielded its last). Every rank's, or only this
                 rank's where the world size is the same (the rest is then this rank's alone).
         """
+        try:
+            left, samples, counted = self._left_by(saved)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise ValueError(f"a damaged ShardStream position ({type(e).__name__}: {e})") from None
+        ranks = 1 if len(saved) == 1 and saved[0]["world"] == self.world_size else self.world_size
+        self.rest = {"epoch": self.epoch, "ranges": _runs(left), "samples": samples,
+                     "ranks": ranks, "counted": counted}
+
+    def _left_by(self, saved: list[dict]) -> tuple[list[int], int, list[int] | None]:
+        """What the stopped slots of ``saved`` (rest_of_epoch's) had not read, in slot order;
+        how many samples they still owed; the bad samples they counted."""
         left, samples, counted = [], 0, None
         for place in sorted(saved, key=lambda p: p["rank"]):
             view = copy.copy(self)
-            view.rank, view.world_size = place["rank"], place["world"]
+            view.rank, view.world_size = int(place["rank"]), int(place["world"])
             view.epoch = int(place["stream"]["epoch"])
-            view.rest = place["stream"].get("rest")
-            workers = max(1, place["num_workers"])
-            slots, per_slot, first = view.slots(workers)
+            view.rest = _checked_rest(place["stream"].get("rest"), len(self.dataset),
+                                      view.world_size)
+            slots, per_slot, first = view.slots(max(1, int(place["num_workers"])))
             for worker, state in enumerate(place["slots"]):
                 tried, yielded = ((0, 0) if state is None else (per_slot, per_slot)
                                   if state == "ended" else (state["tried"], state["yielded"]))
+                if not (type(tried) is int and type(yielded) is int and 0 <= yielded <= tried):
+                    raise ValueError(f"a slot's place {state!r:.80}")
                 owed = max(0, per_slot - yielded)
                 run = slots[first + worker][tried:]
                 left += run if self.equal == "pad" else run[:owed]
                 samples += owed
                 if isinstance(state, dict):
-                    counted = [a + b for a, b in zip(counted or [0] * len(state["counted"]),
-                                                     state["counted"])]
-        ranks = 1 if len(saved) == 1 and saved[0]["world"] == self.world_size else self.world_size
-        self.rest = {"epoch": self.epoch, "ranges": _runs(left), "samples": samples,
-                     "ranks": ranks, "counted": counted}
+                    counted = [a + int(b) for a, b in zip(counted or [0] * len(state["counted"]),
+                                                          state["counted"])]
+        return left, samples, counted
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "dataset": self.dataset.state_dict(), "rest": self.rest}
@@ -174,7 +185,29 @@ class ShardStream(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.dataset.load_state_dict(state["dataset"])
-        self.rest = state.get("rest")  # (states saved before rest_of_epoch lack it)
+        # (older states have none)
+        self.rest = _checked_rest(state.get("rest"), len(self.dataset), self.world_size)
+
+
+def _checked_rest(rest, size: int, world: int) -> dict | None:
+    """A saved ``rest`` (ShardStream.rest_of_epoch's), checked before it is used: its runs are
+    within the dataset's ``size`` samples and it is for this rank or the ``world`` of ranks (a
+    damaged or hostile one must not make the stream list billions of indices or slots)."""
+    if rest is None:
+        return None
+    try:
+        runs, epoch, samples, ranks = rest["ranges"], rest["epoch"], rest["samples"], rest["ranks"]
+        counted = rest["counted"]
+        ok = (all(type(x) is int for x in (epoch, samples, ranks)) and samples >= 0
+              and ranks in (1, world)
+              and all(type(a) is int and type(b) is int and 0 <= a < b <= size for a, b in runs)
+              and sum(b - a for a, b in runs) <= size
+              and (counted is None or all(type(c) is int and c >= 0 for c in counted)))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"a damaged ShardStream state: its rest of the epoch {rest!r:.120}")
+    return rest
 
 
 def _runs(indices: list[int]) -> list[list[int]]:
