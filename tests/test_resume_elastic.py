@@ -221,6 +221,16 @@ def test_the_next_epoch_after_a_change_of_world_is_the_new_worlds():
     assert _ids(following) == _ids([b.tolist() for b in fresh])
 
 
+def test_every_ranks_state_between_epochs_loads_at_another_world_size():
+    """At an epoch boundary any shape goes on (as from one state): the next epoch is a whole
+    epoch of the new world, its ranks the same number of batches."""
+    _, states = _job(4, 4, [None] * 4)
+    assert all(state["epoch_done"] for state in states)
+    tail, _ = _job(2, 4, [None, None], states)
+    assert set(_ids(sum(tail, []))) == set(range(N)) and len(_ids(sum(tail, []))) == N + 1
+    assert len({len(batches) for batches in tail}) == 1
+
+
 def test_a_change_of_world_names_what_it_lacks():
     _, states = _job(4, 4, [1, 1, 1, 1])
     with pytest.raises(ValueError, match=r"every rank of the saved job.*\(0, 4\), \(1, 4\), "

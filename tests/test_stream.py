@@ -268,6 +268,8 @@ def _pieces(root, shapes, stops, equal):
             del it
         jobs.append(ranks)
         states = saved
+        if all(state["epoch_done"] for state in states):  # (the epoch ran out before the stop)
+            break
     return jobs
 
 
@@ -396,6 +398,9 @@ def test_a_damaged_or_hostile_rest_is_refused_by_name(shards):
     state = stream.state_dict()
     good = {"epoch": 0, "ranges": [[0, 5]], "samples": 5, "ranks": 2, "counted": None}
     stream.load_state_dict(state | {"rest": good})
+    stream.load_state_dict(state | {"rest": good | {"ranks": 4}})  # (dealt anew by a loader)
+    with pytest.raises(ValueError, match="is for 4 ranks, not 2: load every rank's"):
+        iter(stream)
     for bad in ({"ranges": [[0, 10**12]]}, {"ranks": 10**9}, {"samples": -1},
                 {"ranges": [[5, 5]]}, {"counted": ["x"]}, {"epoch": "0"}):
         with pytest.raises(ValueError, match="a damaged ShardStream state"):

@@ -934,6 +934,10 @@ def _this_ranks(loader, states: list) -> dict:
         return states[0]  # (a one-rank job's state is every rank's)
     if len(own) == 1 and all(s.get("world", [0, 0])[1] == own[0]["world"][1] for s in states):
         return own[0]
+    if all(s.get("epoch_done") for s in states):  # between epochs any shape goes on as it is
+        rank = (_world(loader) or [0, 1])[0]
+        return next((s for s in states if s.get("world", [0, 1])[0] == rank % len(states)),
+                    states[0])
     if all(s.get("kind") == "iterable" for s in states):
         return _stream_anew(loader, states)
     return dealt_anew(loader, states)

@@ -109,6 +109,10 @@ class ShardStream(IterableDataset):
         every rank, from ``plan``; after ``rest_of_epoch``, the samples left dealt in even
         runs to the slots of the ranks the rest is for (every rank's, or this one's)."""
         rest = self.rest if self.rest is not None and self.rest["epoch"] == self.epoch else None
+        if rest is not None and rest["ranks"] not in (1, self.world_size):
+            raise ValueError(f"this stream's rest of epoch {self.epoch} is for {rest['ranks']} "
+                             f"ranks, not {self.world_size}: load every rank's loader state "
+                             "(DataLoader.load_state_dict([...])) to deal it anew")
         if rest is None:
             plan, per_slot = self.plan(num_workers)
             return ([[i for shard in shards for i in self.shards[shard]] for shards in plan],
@@ -185,21 +189,22 @@ class ShardStream(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.dataset.load_state_dict(state["dataset"])
-        # (older states have none)
-        self.rest = _checked_rest(state.get("rest"), len(self.dataset), self.world_size)
+        # (older states have none; one of another world size is dealt anew by rest_of_epoch)
+        self.rest = _checked_rest(state.get("rest"), len(self.dataset), None)
 
 
-def _checked_rest(rest, size: int, world: int) -> dict | None:
+def _checked_rest(rest, size: int, world: int | None) -> dict | None:
     """A saved ``rest`` (ShardStream.rest_of_epoch's), checked before it is used: its runs are
-    within the dataset's ``size`` samples and it is for this rank or the ``world`` of ranks (a
-    damaged or hostile one must not make the stream list billions of indices or slots)."""
+    within the dataset's ``size`` samples and it is for one rank or the ``world`` of ranks
+    (None: for at most ``size`` ranks, a shard each), so a damaged or hostile one cannot make
+    the stream list billions of indices or slots."""
     if rest is None:
         return None
     try:
         runs, epoch, samples, ranks = rest["ranges"], rest["epoch"], rest["samples"], rest["ranks"]
         counted = rest["counted"]
         ok = (all(type(x) is int for x in (epoch, samples, ranks)) and samples >= 0
-              and ranks in (1, world)
+              and (ranks in (1, world) if world is not None else 1 <= ranks <= max(1, size))
               and all(type(a) is int and type(b) is int and 0 <= a < b <= size for a, b in runs)
               and sum(b - a for a, b in runs) <= size
               and (counted is None or all(type(c) is int and c >= 0 for c in counted)))
