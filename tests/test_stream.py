@@ -345,6 +345,18 @@ def test_a_streams_rest_counts_the_bad_samples_of_the_job_it_goes_on_from(shards
     tail = [k for b in again for k in b["key"]]
     assert set(head) | set(tail) == {k for b in make(2) for k in b["key"]}
     assert again.dataset.dataset.skipped == bad
+    # stopped again at the new shape and resumed at it: the carried counts still count once
+    for stop in (1, 2, 3):
+        moved = make(1)
+        moved.load_state_dict(state)
+        it = iter(moved)
+        middle = [k for _ in range(stop) for k in next(it)["key"]]
+        later = json.loads(json.dumps(moved.state_dict()))
+        del it
+        last = make(1)
+        last.load_state_dict(later)
+        assert middle + [k for b in last for k in b["key"]] == tail, stop
+        assert last.dataset.dataset.skipped == bad, stop
 
 
 def test_a_stream_given_one_ranks_state_at_another_world_size_asks_for_every_ranks(shards):

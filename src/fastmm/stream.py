@@ -108,7 +108,7 @@ class ShardStream(IterableDataset):
         covers, how many each yields, and this rank's first slot among them. The slots of
         every rank, from ``plan``; after ``rest_of_epoch``, the samples left dealt in even
         runs to the slots of the ranks the rest is for (every rank's, or this one's)."""
-        rest = self.rest if self.rest is not None and self.rest["epoch"] == self.epoch else None
+        rest = self._rest_now()
         if rest is not None and rest["ranks"] not in (1, self.world_size):
             raise ValueError(f"this stream's rest of epoch {self.epoch} is for {rest['ranks']} "
                              f"ranks, not {self.world_size}: load every rank's loader state "
@@ -131,9 +131,13 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         slots, per_slot, first = self.slots(num_workers)
-        carried = self.rest["counted"] if (self.rest is not None and worker == 0 and first == 0
-                                           and self.rest["epoch"] == self.epoch) else None
+        rest = self._rest_now()  # (its counts go to the first slot of the ranks it is for)
+        carried = rest["counted"] if rest is not None and first + worker == 0 else None
         return _Slot(self, slots[first + worker], per_slot, worker, carried)
+
+    def _rest_now(self) -> dict | None:
+        """The rest of this epoch (rest_of_epoch's), if the stream is in that epoch."""
+        return self.rest if self.rest is not None and self.rest["epoch"] == self.epoch else None
 
     def rest_of_epoch(self, saved: list[dict]) -> None:
         """Go on with the rest of this epoch at this job's shape, where a job of another shape
@@ -248,13 +252,15 @@ class _Slot:
         self.made = 0  # yielded in this round of the shards: a round with none was all bad
         self._counters = stream.dataset.fastmm_skip_counts
         self._base = self._counts()  # this process's counts as the slot began
-        if carried:  # bad samples a job of another shape counted this epoch: counted as ours
-            self._counters.set_row(this_worker(), [n + c for n, c in zip(self._base, carried)])
+        # bad samples a job of another shape counted this epoch, counted as ours when the slot
+        # first reads or says its place (a place loaded over it has them already)
+        self._carried = carried or None
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        self._count_carried()
         n = len(self.indices)
         while self.yielded < self.per_slot:
             if self.tried and self.tried % n == 0:
@@ -277,7 +283,14 @@ class _Slot:
     def _counts(self) -> list[int]:
         return self._counters.row(this_worker())
 
+    def _count_carried(self) -> None:
+        if self._carried:
+            self._counters.set_row(this_worker(),
+                                   [n + c for n, c in zip(self._counts(), self._carried)])
+            self._carried = None
+
     def state_dict(self) -> dict:
+        self._count_carried()
         now = self._counts()
         return {"tried": self.tried, "yielded": self.yielded, "made": self.made,
                 "counted": [n - base for n, base in zip(now, self._base)], "row": now}
@@ -295,6 +308,7 @@ class _Slot:
                 and len(counted) == len(self._base) and min(counted) >= 0):
             raise ValueError(f"a ShardStream position that does not fit this epoch: {state}")
         self.tried, self.yielded, self.made = tried, yielded, made
+        self._carried = None  # (in its counts already: state_dict() counted them first)
         now = self._counts()
         if now != state.get("row"):
             now = [n + c for n, c in zip(now, counted)]
