@@ -185,12 +185,12 @@ def run_dataset(name: str, args) -> dict:
     rounds = []
     for r in range(args.rounds):
         order = list(LOADERS) if r % 2 == 0 else list(LOADERS)[::-1]
-        with OtherCores() as others:
+        with OtherCores() as others:  # (the floor runs too: the growth rests on them)
             runs = {kind: epoch(kind, dataset, args) for kind in order}
-        # the same loaders over FLOOR_ITEMS for as many samples: what the workers hold whatever
-        # the dataset's size
-        floor_runs = {kind: epoch(kind, small, args, len(dataset))["peak_private_bytes"]
-                      for kind in order}
+            # the same loaders over FLOOR_ITEMS for as many samples: what the workers hold
+            # whatever the dataset's size
+            floor_runs = {kind: epoch(kind, small, args, len(dataset))["peak_private_bytes"]
+                          for kind in order}
         ttfb, floor = {}, {}
         timed = args.first_batch_rounds is None or r < args.first_batch_rounds
         for method in args.methods if timed else ():
