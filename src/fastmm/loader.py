@@ -145,7 +145,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_dataset_share"] = None  # this process's buffer: a copy builds its own
+        state.pop("_state_parts", None)  # (found again from the copy's own parts)
         return state
+
+    @functools.cached_property
+    def _state_parts(self) -> resume.LoaderParts:
+        """The parts of this loader its states read, found once (resume.LoaderParts)."""
+        return resume.LoaderParts.of(self)
 
     def __iter__(self):
         # FASTMM_TELEMETRY=summary|trace: the epoch watched and exported (telemetry/auto.py)
@@ -217,6 +223,7 @@ class _ResumableIter:
         else:
             _call_as_torch(init, loader)
         progress = resume.Progress.starting(loader.num_workers, self._base_seed, restore)
+        progress.shape = resume.shape(loader)
         self._progress = loader._progress = progress
         self._first_sampler_iter = resume.SamplerTap(loader, progress, restore)
 
@@ -369,6 +376,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             first_worker = self._progress.first_worker(self._dataset_kind == DatasetKind.Iterable)
         else:
             self._progress.next_epoch()
+            self._progress.shape = resume.shape(loader)
             for record, iter_state in zip(self._records, self._progress.worker_iter_states):
                 # a respawn starts there
                 record.iter_state, record.end_iter_state = iter_state, None

@@ -180,7 +180,11 @@ def encode_rng(state: tuple) -> dict:
 
 def _copy_rng(data: dict) -> dict:
     """A fresh copy of ``encode_rng``'s dict (the caller may change the one it is given)."""
-    return {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    out = data.copy()
+    out["random"] = out["random"].copy()
+    if "numpy" in out:
+        out["numpy"] = out["numpy"].copy()
+    return out
 
 
 def decode_rng(data: dict) -> tuple:
@@ -227,17 +231,39 @@ def _set_state(generator: torch.Generator, state: bytes) -> None:
     generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
-def _samplers(loader) -> list:
-    """The loader's batch sampler, the sampler inside it, and its sampler (a default one when
-    ``batch_sampler=`` was given: the one inside the batch sampler is what draws then)."""
-    batch_sampler = loader.batch_sampler
-    return [batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler]
+class LoaderParts(NamedTuple):
+    """What a state reads of the parts of a loader that torch's DataLoader lets no one set again
+    after ``__init__`` (dataset, sampler, batch_sampler): looked up once per loader, not at every
+    ``state_dict()`` (a state every step costs under 1% of a loop, issue 54)."""
+
+    iterable: bool
+    samplers: tuple  # the batch sampler, the sampler inside it, the loader's sampler
+    stateful_sampler: object | None  # the first of them with state_dict/load_state_dict
+    world_part: object | None  # where this rank's place is read (_world)
+    skip_counts: object | None  # offers.skip_counts of the dataset
+    state_getters: list  # the dataset's own state_dict methods (own_state)
+
+    @classmethod
+    def of(cls, loader) -> "LoaderParts":
+        # (a default sampler when batch_sampler= was given: the one inside draws then)
+        batch_sampler = loader.batch_sampler
+        samplers = (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler)
+        return cls(
+            iterable=isinstance(loader.dataset, IterableDataset),
+            samplers=samplers,
+            stateful_sampler=next((s for s in samplers if _stateful(s)), None),
+            world_part=next((part for part in (*samplers, loader.dataset)
+                             if hasattr(part, "rank") and (hasattr(part, "num_replicas")
+                                                           or hasattr(part, "world_size"))),
+                            None),
+            skip_counts=offers.skip_counts(loader.dataset),
+            state_getters=_own(loader.dataset, "state_dict"))
 
 
 def sampler_generator(loader) -> torch.Generator | None:
     """The sampler's own generator (``RandomSampler(..., generator=g)``), if it is not the
     loader's: its state must travel too, or a resumed epoch repeats the first epoch's order."""
-    for sampler in _samplers(loader)[1:]:
+    for sampler in loader._state_parts.samplers[1:]:
         g = getattr(sampler, "generator", None)
         if isinstance(g, torch.Generator) and g is not loader.generator:
             return g
@@ -305,6 +331,7 @@ class Progress:
     # epoch, as sorted [start, end) ranges: this loader's batches are made of the other places
     handed_out_before: list = dataclasses.field(default_factory=list)
     deal: "Deal | None" = None  # this rank's samples, dealt again at another world size
+    shape: dict | None = None  # shape() of the loader as its iterator began (not saved)
 
     def __post_init__(self):
         self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
@@ -411,10 +438,12 @@ def _own(dataset, name: str) -> list:
     return methods
 
 
-def own_state(dataset):
+def own_state(dataset, getters: list | None = None):
     """The dataset's state_dict() (or the one of the dataset it wraps), None if it has none;
-    of a ConcatDataset's datasets, {_SEVERAL: [each one's]}."""
-    getters = _own(dataset, "state_dict")
+    of a ConcatDataset's datasets, {_SEVERAL: [each one's]}. ``getters``: those methods, where
+    they were found already (LoaderParts)."""
+    if getters is None:
+        getters = _own(dataset, "state_dict")
     if len(getters) > 1:
         return {_SEVERAL: [get() for get in getters]}
     return getters[0]() if getters else None
@@ -562,10 +591,6 @@ def resumed_fetcher(make_fetcher, dataset, iter_state: tuple | None):
     return fetcher
 
 
-def _sampler_with_state(loader):
-    return next((sampler for sampler in _samplers(loader) if _stateful(sampler)), None)
-
-
 class SamplerTap:
     """The epoch's index-sampler iterator. At the first draw it records what the order depends
     on (generator states, the sampler's own state), or, restoring, replays a recorded epoch from
@@ -578,7 +603,7 @@ class SamplerTap:
         self._own_generator = sampler_generator(loader)
         self._index_sampler = loader._index_sampler
         self._batch_sampler = loader.batch_sampler  # (a BatchSampler where handed_out is kept)
-        self._sampler = _sampler_with_state(loader)
+        self._sampler = loader._state_parts.stateful_sampler
         self._progress = progress
         # an epoch whose first index was not drawn yet draws it live, as it would have
         self._replay = replay if replay is not None and replay.sampler_rng is not None else None
@@ -607,7 +632,9 @@ class SamplerTap:
         p.sampler_rng, p.sampler_state = replay.sampler_rng, replay.sampler_state
         first_missing, ahead = replay.first_missing, replay.ahead
         order = None  # the epoch's sample order, where it is not the batch sampler's
-        with KeepRng(generator):  # the sampler's own generator goes on from the epoch's draws
+        # the caller's RNGs are kept; the loader's generator and the sampler's own go on from
+        # the epoch's draws (a sampler may draw from them as it goes: replacement=True)
+        with KeepRng():
             _set_generator_states(replay.sampler_rng, generator, self._own_generator)
             if sampler is not None and replay.sampler_state is not None:
                 sampler.load_state_dict(replay.sampler_state)
@@ -814,17 +841,16 @@ def dealt_anew(loader, states: list) -> dict:
 
 def _world(loader) -> list[int] | None:
     """This rank's place, from a distributed sampler, or an iterable dataset that splits by rank."""
-    for part in (*_samplers(loader), loader.dataset):
-        if hasattr(part, "num_replicas") and hasattr(part, "rank"):
-            return [int(part.rank), int(part.num_replicas)]
-        if hasattr(part, "world_size") and hasattr(part, "rank"):
-            return [int(part.rank), int(part.world_size)]
-    return None
+    part = loader._state_parts.world_part
+    if part is None:
+        return None
+    size = part.num_replicas if hasattr(part, "num_replicas") else part.world_size
+    return [int(part.rank), int(size)]
 
 
-def _shape(loader) -> dict:
+def shape(loader) -> dict:
     """What must not change between saving and restoring mid-epoch."""
-    iterable = isinstance(loader.dataset, IterableDataset)
+    iterable = loader._state_parts.iterable
     return {
         "kind": "iterable" if iterable else "map",
         "num_workers": loader.num_workers,
@@ -844,18 +870,20 @@ def _len_or_none(dataset) -> int | None:
 
 def encode(loader, progress: Progress | None) -> dict:
     p = progress or Progress(loader.num_workers, done=True)
-    sampler, own = _sampler_with_state(loader), sampler_generator(loader)
+    parts = loader._state_parts
+    sampler, own = parts.stateful_sampler, sampler_generator(loader)
     # the workers that make the next batch: this iterator's, or (between epochs) fresh ones
     same_workers = loader.num_workers > 0 and (p.mid_epoch or loader.persistent_workers)
     needed = [p.sampler_state] if p.mid_epoch else []
-    if isinstance(loader.dataset, IterableDataset) and (p.mid_epoch or same_workers):
+    replayed = p.mid_epoch and p.sampler_rng is not None
+    if parts.iterable and (p.mid_epoch or same_workers):
         needed += p.worker_iter_states
     for state in needed:
         if isinstance(state, Unavailable):
             state.fail()
     state = {
         "fastmm_loader_state": VERSION,
-        **_shape(loader),
+        **(p.shape if p.mid_epoch and p.shape is not None else shape(loader)),
         "persistent_workers": loader.persistent_workers,
         "epoch_done": not p.mid_epoch,
         "batches": p.batches if p.mid_epoch else 0,
@@ -875,28 +903,29 @@ def encode(loader, progress: Progress | None) -> dict:
         # an IterableDataset's: mid-epoch, after each worker's last batch; between epochs,
         # persistent workers' dataset copies as their epoch ran out
         "worker_streams": [None if s is None else list(s) for s in p.worker_iter_states]
-        if isinstance(loader.dataset, IterableDataset) and (p.mid_epoch or same_workers)
-        else None,
+        if parts.iterable and (p.mid_epoch or same_workers) else None,
         "last_worker": p.last_worker if p.mid_epoch else None,
         "handed_out_before": [list(r) for r in p.handed_out_before] if p.mid_epoch else [],
         "deal": list(p.deal) if p.mid_epoch and p.deal is not None else None,
-        # the loader's own generator is its state: where it is now, not where the epoch began
-        "generator": None if loader.generator is None else _b64(_state_of(loader.generator)),
-        "sampler_generator": None if own is None else _b64(_state_of(own)),
+        # the generators where they are now; mid-epoch, the replay of the epoch's draws puts them
+        # there (and not where the draws for batches made ahead put them)
+        "generator": None if loader.generator is None or replayed
+        else _b64(_state_of(loader.generator)),
+        "sampler_generator": None if own is None or replayed else _b64(_state_of(own)),
     }
     # an IterableDataset: its state as the epoch began, as for the sampler; the restored loader
     # pulls the samples handed out again, or loads each worker's iterator state over it
     if p.mid_epoch and p.dataset_state is not None:
         state["dataset"] = p.dataset_state
-    elif isinstance(loader.dataset, IterableDataset) and loader.num_workers > 0:
+    elif parts.iterable and loader.num_workers > 0:
         # the workers iterate copies and keep their states; this one, never iterated, may have
         # none to give (torchdata does not ask it)
         state["dataset"] = dataset_state(loader.dataset)
     else:
-        counters = offers.skip_counts(loader.dataset)
+        counters = parts.skip_counts
         with (counters.handed_out(p.worker_counts) if counters is not None and p.mid_epoch
               else contextlib.nullcontext()):
-            state["dataset"] = own_state(loader.dataset)
+            state["dataset"] = own_state(loader.dataset, parts.state_getters)
     return state
 
 
@@ -913,7 +942,7 @@ def decode(loader, state: dict) -> Progress:
     except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise ValueError(f"a damaged fastmm DataLoader state ({type(e).__name__}: {e})") from None
     if sampler_state is not None:
-        _sampler_with_state(loader).load_state_dict(sampler_state)
+        loader._state_parts.stateful_sampler.load_state_dict(sampler_state)
     for generator, generator_state in generator_states:
         _set_state(generator, generator_state)
     for load, dataset_state_dict in dataset_loads:
@@ -986,7 +1015,7 @@ def _elastic(loader, state: dict, now: dict, changed: list[str]) -> bool:
     Args:
         loader: the loader restoring.
         state: the saved state.
-        now: the loader's own shape (``_shape``).
+        now: the loader's own shape (``shape``).
         changed: the keys of the shape that differ.
     """
     if now["kind"] == "iterable":  # a stream that deals out the rest of its epoch
@@ -1011,7 +1040,7 @@ def _read(loader, state: dict) -> tuple[Progress, object, list, list | None]:
             f"expected {VERSION})"
         )
     mid_epoch = not state["epoch_done"]
-    now = _shape(loader)
+    now = shape(loader)
     changed = [k for k in now if state[k] != now[k]] if mid_epoch else []
     stopped = state.get("stopped") if mid_epoch else None  # (_stream_anew: every rank's)
     if mid_epoch and now["kind"] == "iterable" and changed and stopped is None:
@@ -1082,7 +1111,7 @@ def _read(loader, state: dict) -> tuple[Progress, object, list, list | None]:
             p.dataset_state = state.get("dataset")
     else:
         p.done = True
-        if _sampler_with_state(loader) is not None:
+        if loader._state_parts.stateful_sampler is not None:
             sampler_state = state["sampler"]
     iter_states = state.get("worker_streams")  # (saved under its first name; older states lack it)
     if (iter_states is not None and now["kind"] == "iterable" and (mid_epoch or same_workers)
