@@ -848,6 +848,9 @@ def _bad_command_lines(tmp_path):
         ("copy_on_read", ["--datasets", "bogus"]),
         ("state_cost", ["--step-ms", "-1"]),
         ("state_cost", ["--num-workers", "0"]),
+        ("tuning", ["--workloads", "decode,bogus"]),
+        ("tuning", ["--workloads", "dataset"]),  # --dataset missing
+        ("tuning", ["--cpu-budget", "1.5"]),
     ]
 
 
@@ -971,6 +974,37 @@ def test_state_cost_run_times_state_dict_for_both_loaders(tmp_path):
     assert result["state_bytes"]["fastmm"] > 0 and result["state_bytes"]["torch"] > 0
     assert result["overhead"]["fastmm"]["n"] == 2
     assert "state_dict()" in result["finding"]["text"] and (out / "report.html").exists()
+
+
+@pytest.mark.slow
+def test_tuning_run_sweeps_fixed_settings_and_judges_auto_against_the_best(tmp_path):
+    """The auto-against-a-sweep benchmark (here small): every fixed setting's rate, auto's
+    batch times and changes, its rate against the round's best, and a finding."""
+    from fastmm.bench import tuning
+
+    out = tmp_path / "out"
+    assert tuning.main(["--quick", "--workloads", "transport", "--num-workers", "1,2",
+                        "--prefetch-factors", "2", "--auto-seconds", "4", "--out",
+                        str(out)]) == 0
+    result = json.loads((out / "tuning.json").read_text())
+    (r,) = result["rounds"]["transport"]
+    assert set(r["fixed"]) == {"1,2", "2,2"} and all(v["rate"] > 0 for v in r["fixed"].values())
+    assert r["best"] in r["fixed"] and r["auto"]["times"][-1] >= 4
+    assert r["judged"]["ratio"] == pytest.approx(
+        r["judged"]["rate"] / r["fixed"][r["best"]]["rate"])
+    assert r["auto"]["settled"]["num_workers"] >= 1
+    assert "auto's rate" in result["finding"]["text"] and (out / "report.html").exists()
+
+
+def test_tuning_windows_and_the_time_auto_reached_the_best():
+    from fastmm.bench import tuning
+
+    times = [0.1 * i for i in range(1, 101)]  # 10 batches/s for 10 s
+    rates = tuning.window_rates(times, 1.0)
+    assert rates[0][0] == pytest.approx(1.1) and all(r == pytest.approx(10, abs=1) for _, r in rates)
+    judged = tuning.judge_auto({"times": times}, best_rate=10.0, seconds=1.0)
+    assert judged["ratio"] == pytest.approx(1.0, abs=0.1) and judged["reached_s"] <= 1.2
+    assert tuning.judge_auto({"times": times}, best_rate=20.0, seconds=1.0)["reached_s"] is None
 
 
 def _copy_on_read_case(ours: list[int], theirs: list[int], size: int, same=True) -> dict:

@@ -105,7 +105,8 @@ def test_subscripts_as_a_generic_like_torch():
 
 
 def test_signature_is_torch_plus_torchdatas_argument_on_worker_failure_and_transport():
-    extras = {"snapshot_every_n_steps": 1, "on_worker_failure": "raise", "transport": None}
+    extras = {"snapshot_every_n_steps": 1, "on_worker_failure": "raise", "transport": None,
+              "cpu_budget": None}
     for ours, theirs in ((fastmm.DataLoader, TorchDataLoader),
                          (fastmm.DataLoader.__init__, TorchDataLoader.__init__)):
         ours, theirs = inspect.signature(ours), inspect.signature(theirs)

@@ -23,6 +23,7 @@ class Task(NamedTuple):
     send_idx: int  # its place in the epoch's order of tasks
     index: object  # the sampler's indices (None for an IterableDataset)
     spare_s: float  # seconds the loop spent outside next() last step (slabs.py)
+    seed: int | None = None  # num_workers="auto": the batch's own seed (autotune.batch_seed)
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,25 @@ class WorkerProcesses:
         pids = ", ".join(str(self.processes[i].pid) for i in failed)
         return RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly: {details}")
 
+    def tell_torch(self, owner: int) -> bool:
+        """Give torch's SIGCHLD handler the started workers' pids, under ``owner`` (the
+        iterator's id), again each time more start: a death is then torch's to report.
+        Returns True: they are set (torch's ``_worker_pids_set``)."""
+        if self.signal_id:
+            _torch.remove_worker_pids(self.signal_id)
+        _torch.set_worker_pids(owner, tuple(w.pid for w in self.started()))
+        _torch.set_sigchld_handler()
+        self.signal_id = owner
+        return True
+
+    def untell_torch(self) -> bool:
+        """Take their pids back from torch's handler (their ends are no failures then);
+        returns False: they are not set."""
+        if self.signal_id:
+            _torch.remove_worker_pids(self.signal_id)
+            self.signal_id = None
+        return False
+
     def started(self) -> list:
         """The worker processes, less any that never started (a start that failed)."""
         return [process for process in self.processes if process is not None]

@@ -10,7 +10,7 @@ import time
 from typing import NamedTuple
 
 from . import _torch, collate
-from ._messages import Resumed, Result
+from ._messages import Result, Resume, Resumed
 from ._processes import STATUS_CHECK_INTERVAL_S, WorkerProcesses
 from ._respawn import Respawner
 from ._tasks import Sent, TaskTable, WorkerRecord
@@ -94,6 +94,7 @@ class Receiver:
         self.timeout, self.counted, self.shm_dir = timeout, counted, shm_dir
         self.prefetch_factor = prefetch_factor
         self.shm_checked = 0  # the largest pool size checked against free shared memory
+        self.largest_slab = 0  # the largest slab a worker made, in bytes
         self.unsaid: list[str] = []  # findings to warn of at the next next()
 
     def next_event(self, shared_seed: int) -> Arrived | WorkerResumed | Replaced:
@@ -110,6 +111,27 @@ class Receiver:
             event = self.poll(STATUS_CHECK_INTERVAL_S, shared_seed)
             if event is not None:
                 return event
+
+    def say_findings(self, said: set) -> None:
+        """Warn of the findings not said yet (doctor.py), from ``next()``: a warning made an
+        error (-W error) then loses no batch. ``said``: the loader's, said once each."""
+        if self.unsaid:
+            from . import doctor
+
+            unsaid, self.unsaid = self.unsaid, []
+            doctor.warn_once(said, unsaid, stacklevel=6)  # (the user's frame, from here)
+
+    def begin_epoch(self, shared_seed: int, epoch: int | None) -> None:
+        """Persistent workers' next epoch: each started worker told (``Resume``), and waited
+        for until it has begun it (a replacement begins anew)."""
+        started = len(self.workers.started())
+        for index_queue in self.workers.index_queues[:started]:
+            index_queue.put(Resume(shared_seed, epoch))
+        awaiting = set(range(started))
+        while awaiting:
+            event = self.next_event(shared_seed)
+            awaiting -= ({event.worker_id} if isinstance(event, WorkerResumed) else
+                         set(event.worker_ids) if isinstance(event, Replaced) else set())
 
     def poll(self, timeout: float, shared_seed: int) -> Arrived | WorkerResumed | Replaced | None:
         """One event within ``timeout`` s, else None."""
@@ -192,12 +214,24 @@ class Receiver:
         """Once batches show their size: will the slab pool fit? (Said once per loader.)"""
         from . import doctor
 
+        self.largest_slab = max(self.largest_slab, slab_bytes)
         need = doctor.pool_bytes(len(self.records), self.prefetch_factor, slab_bytes)
         if need > self.shm_checked:
             self.shm_checked = need
             finding = doctor.shm_finding(need, self.shm_dir, held=self.slab_pool.nbytes)
             if finding:  # not now: a warning made an error (-W error) would lose this batch
                 self.unsaid.append(finding)
+
+
+    def room(self, workers: int, prefetch_factor: int) -> str | None:
+        """Why the slab pool of ``workers`` prefetching ``prefetch_factor`` batches each would
+        not fit in shared memory (the tuner asks before it goes there), or None."""
+        from . import doctor
+
+        if not self.largest_slab:
+            return None  # no batch seen yet
+        need = doctor.pool_bytes(workers, prefetch_factor, self.largest_slab)
+        return doctor.shm_finding(need, self.shm_dir, held=self.slab_pool.nbytes)
 
 
 def _readable(conn) -> bool:

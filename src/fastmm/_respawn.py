@@ -70,7 +70,8 @@ class Respawner:
             self.counters.set_row(worker_id, record.epoch_counts if skip else record.counts)
         self.start(worker_id, Restore(record.rng, skip, iter_state), shared_seed)
         for i in lost:
-            self.workers.index_queues[worker_id].put(Task(i, table.tasks[i].index, 0.0))
+            sent = table.tasks[i]
+            self.workers.index_queues[worker_id].put(Task(i, sent.index, 0.0, sent.seed))
 
     def replace_stuck(self, deadlines: list, table: TaskTable, shared_seed: int) -> list[int]:
         """Workers on one sample past the decode deadline: the sample is marked expired (the

@@ -22,6 +22,7 @@ class Sent:
     iter_state: object = None  # the worker's iterator state after it
     counts: object = None  # the worker's skip counts after it
     deaths: int = 0  # workers that died while it was theirs
+    seed: int | None = None  # its own seed, sent again with it (Task.seed)
 
     @property
     def pending(self) -> bool:
@@ -50,18 +51,26 @@ class TaskTable:
 
     def __init__(self, num_workers: int, prefetch_factor: int, in_order: bool):
         self.num_workers, self.in_order = num_workers, in_order
-        self.max_tasks = prefetch_factor * num_workers  # in flight at once
+        self.set_shape(num_workers, prefetch_factor)
         self.active = [False] * num_workers  # none until the first epoch starts
         self.in_flight = [0] * num_workers
         self.tasks: dict[int, Sent] = {}
 
-    def reset(self, first_worker: int) -> None:
-        """A new epoch, its first task to ``first_worker``."""
+    def set_shape(self, workers: int, prefetch_factor: int) -> None:
+        """Tasks go to the first ``workers`` workers only (num_workers="auto": autotune.py),
+        ``prefetch_factor`` each in flight at once."""
+        self.workers = workers
+        self.max_tasks = prefetch_factor * workers  # in flight at once
+
+    def reset(self, first_worker: int, started: int | None = None) -> None:
+        """A new epoch, its first task to ``first_worker``; the workers from ``started`` on
+        have not started (num_workers="auto")."""
         self.tasks = {}  # send_idx -> each task sent and not yet handed out
         self.send_idx = 0  # the next task's
         self.rcvd_idx = 0  # the next one to hand out (in order)
         self.outstanding = 0  # sent, and no result received yet
-        self.active = [True] * self.num_workers
+        started = self.num_workers if started is None else started
+        self.active = [i < started for i in range(self.num_workers)]
         self.in_flight = [0] * self.num_workers  # per worker: sent, not yet handed out
         self._turns = itertools.islice(itertools.cycle(range(self.num_workers)),
                                        first_worker, None)
@@ -70,16 +79,23 @@ class TaskTable:
         """The worker the next task goes to, or None if none may take one now."""
         for _ in range(self.num_workers):
             worker_id = next(self._turns)
-            if self.active[worker_id] and (
-                    self.in_order
-                    or self.in_flight[worker_id] < self.max_tasks // sum(self.active)):
+            if worker_id < self.workers and self.active[worker_id] and (
+                    self.in_order or self.in_flight[worker_id]
+                    < self.max_tasks // sum(self.active[:self.workers])):
                 return worker_id
         return None
 
-    def add(self, worker_id: int, index, position: int | None) -> int:
-        """Record a task sent to ``worker_id``; its ``send_idx``."""
+    def add(self, worker_id: int, index, position: int | None, seed: int | None = None) -> int:
+        """Record a task sent; its ``send_idx``.
+
+        Args:
+            worker_id: the worker it goes to.
+            index: the sampler's indices.
+            position: its batch's place in the epoch's order (resume.py).
+            seed: its batch's own seed (num_workers="auto"), or None.
+        """
         idx = self.send_idx
-        self.tasks[idx] = Sent(worker_id, index, position)
+        self.tasks[idx] = Sent(worker_id, index, position, seed=seed)
         self.in_flight[worker_id] += 1
         self.outstanding += 1
         self.send_idx += 1
@@ -105,6 +121,12 @@ class TaskTable:
 
     def handed_out(self, task: Sent) -> None:
         self.in_flight[task.worker_id] -= 1
+
+    def idle_share(self) -> float:
+        """The share of the workers tasks go to that owe no result now (the loop waits on
+        another's: with more tasks in flight they would have one)."""
+        owing = {task.worker_id for task in self.tasks.values() if task.pending}
+        return sum(1 for w in range(self.workers) if w not in owing) / self.workers
 
     def pending_of(self, worker_id: int) -> list[int]:
         """The tasks ``worker_id`` owes, in order (a replacement gets them again)."""

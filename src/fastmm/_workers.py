@@ -66,6 +66,17 @@ def keep_free_heap_for(batch_bytes: int) -> None:
         mallopt(_M_TRIM_THRESHOLD, max(REUSE_TRIM_FLOOR, 2 * batch_bytes))
 
 
+def seed_all(seed: int) -> None:
+    """Seed torch, random and NumPy (if it is there) from ``seed``."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed & 0xFFFFFFFF)
+
+
 def numpy_seed(base_seed: int, worker_id: int) -> list[int]:
     """The NumPy seed torch gives worker ``worker_id``: a SeedSequence-style hash of both."""
     mask = 0xFFFFFFFF
@@ -303,6 +314,8 @@ class _Worker:
             outcome, self.init_error = _Outcome("error", self.init_error), None
         else:
             index = task.index
+            if task.seed is not None:  # "auto": draws by the batch, whichever worker makes it
+                seed_all(task.seed)
             size = len(index) if self.fills and hasattr(index, "__len__") else None
             with collate.filling(size, self.writer):
                 outcome = self.fetch(index)
@@ -324,7 +337,7 @@ class _Worker:
             keep_free_heap_for(self.heap_kept_for)
         # RNG states encoded here, so the main process's state_dict() (maybe every step) only
         # copies them
-        rng = self.rng_changes.changed()
+        rng = self.rng_changes.changed() if task.seed is None else None
         # plain pickle (ForkingPickler.dumps, as Connection.send, without its reducers: 4 us)
         self.spec.result_conn.send_bytes(pickle.dumps(
             Result(task.send_idx, status, payload, used, new,

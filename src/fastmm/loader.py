@@ -23,10 +23,10 @@ import torch.multiprocessing
 import torch.utils.data
 from torch.utils.data import Dataset, IterDataPipe, MapDataPipe, Sampler
 
-from . import _torch, offers, resume
-from ._messages import Restore, Resume, Task, WorkerSpec
+from . import _torch, autotune, offers, resume
+from ._messages import Restore, Task, WorkerSpec
 from ._processes import STATUS_CHECK_INTERVAL_S, WorkerProcesses
-from ._receiver import Arrived, Receiver, Replaced, WorkerResumed
+from ._receiver import Arrived, Receiver
 from ._respawn import Respawner
 from ._tasks import Sent, TaskTable, WorkerRecord
 from ._torch import DatasetKind
@@ -73,9 +73,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         snapshot_every_n_steps: int | None = 1,
         on_worker_failure: str = "raise",
         transport: TransportConfig | None = None,
+        cpu_budget: float | None = None,
     ) -> None:
         """torch's arguments (the same meanings and defaults), plus ``snapshot_every_n_steps``,
-        ``on_worker_failure`` and ``transport``.
+        ``on_worker_failure``, ``transport`` and ``cpu_budget``.
 
         Args:
             dataset: the dataset to load from (map-style or iterable).
@@ -87,7 +88,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 ``batch_size``, ``shuffle``, ``sampler`` or ``drop_last``.
             num_workers: worker processes (0: load in the main process). A whole number: torch
                 takes 2.5 here and fails at the first ``iter()``; fastmm says so now (the same
-                TypeError).
+                TypeError). "auto": as many as keep the loop fed, set while it runs within
+                ``cpu_budget`` (``num_workers`` then reads as the most it may start; each
+                batch's draws are seeded by the batch: docs/loader.md). FASTMM_NUM_WORKERS
+                ("auto" or a number), where set, overrides it.
             collate_fn: merges a list of samples into a batch.
             pin_memory: hand out batches in pinned (page-locked) memory.
             drop_last: drop the last batch when it is short.
@@ -96,8 +100,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             multiprocessing_context: how workers start ("fork", "spawn", "forkserver", or a
                 context); None: the platform's default.
             generator: the RNG the base seed (and a RandomSampler's order) is drawn from.
-            prefetch_factor: batches each worker loads ahead (None: 2 with workers); a whole
-                number, as ``num_workers``.
+            prefetch_factor: batches each worker loads ahead (None: 2 with workers, set while
+                it runs with ``num_workers="auto"``); a whole number, as ``num_workers``, or
+                "auto" (2 to 8, deeper while batch times vary).
             persistent_workers: keep the workers alive from one epoch to the next.
             pin_memory_device: the device ``pin_memory`` pins for ("": the default).
             in_order: hand batches out in the sampler's order; False: as they are ready.
@@ -113,12 +118,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             transport: how workers hand their batches over (``fastmm.TransportConfig``: the
                 shared-memory directory, slab memory, worker malloc, C++ or its twin); None:
                 from the ``FASTMM_*`` variables each time workers start.
+            cpu_budget: with ``num_workers="auto"``, the fraction of this process's usable
+                cores the workers may use together (0.5: half); None: all of them, or
+                FASTMM_CPU_BUDGET where set. Over it for one period (a second), a worker stops
+                getting batches.
         """
         if transport is not None and not isinstance(transport, TransportConfig):
             raise TypeError(f"transport should be a fastmm.TransportConfig or None, but got "
                             f"{type(transport).__name__}")
         if on_worker_failure not in ("raise", "respawn"):
             raise ValueError(f"on_worker_failure={on_worker_failure!r}; use 'raise' or 'respawn'")
+        num_workers, prefetch_factor, self.autotune = autotune.settings(
+            num_workers, prefetch_factor, cpu_budget)
         num_workers = _whole_number("num_workers", num_workers)
         if prefetch_factor is not None:
             prefetch_factor = _whole_number("prefetch_factor", prefetch_factor)
@@ -135,6 +146,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
         self.on_worker_failure = on_worker_failure
+        self._tuner: autotune.Tuner | None = None  # "auto": kept from one iterator to the next
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.transport = transport
         self._restore_next: resume.Progress | None = None  # from load_state_dict, for next iter
@@ -146,12 +158,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         state = self.__dict__.copy()
         state["_dataset_share"] = None  # this process's buffer: a copy builds its own
         state.pop("_state_parts", None)  # (found again from the copy's own parts)
+        state["_tuner"] = None  # (it measures this process's workers)
         return state
 
     @functools.cached_property
     def _state_parts(self) -> resume.LoaderParts:
         """The parts of this loader its states read, found once (resume.LoaderParts)."""
         return resume.LoaderParts.of(self)
+
+    def check_worker_number_rationality(self):
+        """torch's warning of more workers than cores; not for num_workers="auto", whose
+        ``num_workers`` is the most it may start, past the cores only while cores are idle."""
+        if self.autotune is None or not self.autotune.workers:  # (torch's frame warns)
+            _call_as_torch(torch.utils.data.DataLoader.check_worker_number_rationality, self)
 
     def __iter__(self):
         # FASTMM_TELEMETRY=summary|trace: the epoch watched and exported (telemetry/auto.py)
@@ -302,29 +321,21 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                              functools.partial(_torch.BaseDataLoaderIter.__init__, self))
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        if self._num_workers <= 0:
-            raise AssertionError("num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
-        if self._prefetch_factor <= 0:
-            raise AssertionError(
-                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
+        for name, value in (("num_workers", self._num_workers),
+                            ("prefetch_factor", self._prefetch_factor)):
+            if value <= 0:  # (torch's own words)
+                raise AssertionError(f"{name} must be greater than 0 for MultiProcessingDataLoaderIter")
         self._table = TaskTable(self._num_workers, self._prefetch_factor, self._in_order)
         self._transport = loader.transport or TransportConfig.from_env()
-        # the dataset's large containers, shared with the workers instead of copied (shared.py)
-        # (built again only where the dataset's containers changed since the last epoch's)
-        self._share = loader._dataset_share = DatasetShare.build(
-            self._dataset, last=loader._dataset_share) if self._transport.share_dataset else None
-        if self._share is not None and (self._share.shared or self._share.not_shared):
-            log.info("fastmm: %s", self._share.describe())
+        self._share = _dataset_share(loader, self._dataset, self._transport)
         # Workers run ahead by up to prefetch_factor batches each: keeping that many slabs in the
         # pool per worker, plus one, means a steady loop never creates or closes a slab.
-        locking = self._pin_memory and self._pin_memory_device == "cuda"
         self._slab_pool = SlabPool(self._num_workers * (self._prefetch_factor + 1),
                                    lean=self._transport.slab_memory == "lean",
-                                   **(cuda_page_locking() if locking else {}))
+                                   **(cuda_page_locking() if self._pin_memory
+                                      and self._pin_memory_device == "cuda" else {}))
         # the decode deadlines to hold workers to (a ConcatDataset's datasets may each have one)
-        self._deadlines = offers.decode_deadlines(self._dataset)
-        for deadline in self._deadlines:
-            deadline.enforced = True
+        self._deadlines = offers.decode_deadlines(self._dataset, enforce=True)
         self._findings_said = loader._findings_said
         context = loader.multiprocessing_context or torch.multiprocessing
         self._worker_processes = WorkerProcesses(
@@ -343,14 +354,20 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             deadlines=self._deadlines, respawn=loader.on_worker_failure == "respawn",
             timeout=self._timeout, counted=counters is not None,
             shm_dir=self._transport.shm_dir, prefetch_factor=self._prefetch_factor)
-        for worker_id in range(self._num_workers):
+        self._tuning = None if loader.autotune is None else autotune.Tuning(
+            loader, self._dataset_kind == DatasetKind.Iterable, self._receiver)
+        self._start_workers(range(self._table.workers), restore, per_batch)
+        self._reset(loader, first_iter=True)
+
+    def _start_workers(self, ids, restore: resume.Progress | None = None,
+                       per_batch: int = 0) -> None:
+        """Start workers ``ids`` (with "auto", more later, as the tuner calls for them)."""
+        for worker_id in ids:
             self._respawner.start(worker_id, _restore_of(self._progress, restore, worker_id,
                                                          per_batch), self._shared_seed)
+            self._table.active[worker_id] = True
         if not (self._receiver.respawn or self._deadlines):  # else deaths are ours, not torch's
-            _torch.set_worker_pids(id(self), tuple(w.pid for w in self._workers))
-            _torch.set_sigchld_handler()
-            self._worker_pids_set = self._worker_processes.signal_id = id(self)
-        self._reset(loader, first_iter=True)
+            self._worker_pids_set = self._worker_processes.tell_torch(id(self))
 
     # torch's names for what the parts hold (tools and tests read them)
     @property
@@ -382,21 +399,14 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                 record.iter_state, record.end_iter_state = iter_state, None
             loader._progress = self._progress
             self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
-        self._table.reset(first_worker)
+        self._table.reset(first_worker, started=len(self._worker_processes.started()))
         # batches received from each worker this epoch (a restored one had skipped its own)
         for record, batches in zip(self._records, self._progress.worker_batches):
             record.received = batches if first_iter else 0
         if not first_iter:
             # a dataset offering fastmm_epoch (a ShardStream) has its workers' copies follow
             # the main one's set_epoch (offers.py)
-            epoch = offers.epoch(unwatched(self._dataset))
-            for index_queue in self._worker_processes.index_queues:
-                index_queue.put(Resume(self._shared_seed, epoch))
-            awaiting = set(range(self._num_workers))  # a respawned one starts anew
-            while awaiting:
-                event = self._receiver.next_event(self._shared_seed)
-                awaiting -= ({event.worker_id} if isinstance(event, WorkerResumed) else
-                             set(event.worker_ids) if isinstance(event, Replaced) else set())
+            self._receiver.begin_epoch(self._shared_seed, offers.epoch(unwatched(self._dataset)))
         for record in self._records:
             record.epoch_counts = record.counts  # its skip counts as the epoch begins
         self._progress.worker_counts = [record.counts for record in self._records]
@@ -405,11 +415,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             self._try_put_index()
 
     def _next_batch(self):
-        if self._receiver.unsaid:
-            from . import doctor
-
-            unsaid, self._receiver.unsaid = self._receiver.unsaid, []
-            doctor.warn_once(self._findings_said, unsaid, stacklevel=5)
+        self._receiver.say_findings(self._findings_said)
         self._slab_pool.step()
         self._slab_pool.drain()  # slabs of batches the loop dropped go back before new tasks go out
         table = self._table
@@ -418,13 +424,16 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             if task is None:
                 # for the next epoch
                 self._progress.worker_iter_states = [r.end_iter_state for r in self._records]
+                if self._tuning is not None:
+                    self._tuning.tuner.say_settled()
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
             if not task.pending:
                 return self._process_data(task.data, table.take(table.rcvd_idx))
             assert not self._shutdown and table.outstanding > 0
-            event = self._receiver.next_event(self._shared_seed)
+            event = (self._receiver.next_event(self._shared_seed) if self._tuning is None else
+                     self._tuning.timed_wait(self._receiver.next_event, self._shared_seed))
             if not isinstance(event, Arrived):
                 continue
             table.outstanding -= 1
@@ -444,24 +453,34 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
 
     # -- sending -----------------------------------------------------------------------------
 
-    def _try_put_index(self) -> None:
-        assert self._table.outstanding < self._table.max_tasks
+    def _try_put_index(self) -> bool:
+        """Send the next task, if there is one and room for it; whether it was sent."""
+        if self._table.outstanding >= self._table.max_tasks:
+            return False  # (the tuner lowered the count or the depth: none until it drains)
         try:
             index = self._next_index()
         except StopIteration:
-            return
+            return False
         worker_id = self._table.next_worker()
         if worker_id is None:
-            return
-        idx = self._table.add(worker_id, index, self._sampler_iter.position)
-        task = Task(idx, index, self._slab_pool.loop_spare_s)
+            return False
+        position = self._sampler_iter.position
+        seed = None if self._tuning is None else self._tuning.seed(
+            self._base_seed, self._progress.epoch, position)
+        idx = self._table.add(worker_id, index, position, seed)
+        task = Task(idx, index, self._slab_pool.loop_spare_s, seed)
         self._worker_processes.index_queues[worker_id].put(task)
+        return True
 
     def _process_data(self, data, task: Sent):
         self._progress.handed_out(task.worker_id, task.rng, task.iter_state, task.position,
                                   task.counts)
         self._table.handed_out(task)
         self._try_put_index()
+        if self._tuning is not None and self._tuning.retune():  # start what it calls for
+            self._start_workers(range(len(self._worker_processes.started()), self._table.workers))
+            while self._table.outstanding < self._table.max_tasks and self._try_put_index():
+                pass
         data = data.rebuild()
         if isinstance(data, _torch.ExceptionWrapper):
             data.reraise()
@@ -487,10 +506,10 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                     self._mark_worker_as_unavailable(worker_id, shutdown=True)
             self._worker_processes.close(join_s)
         finally:
-            if self._worker_pids_set:
-                _torch.remove_worker_pids(id(self))
-                self._worker_pids_set = self._worker_processes.signal_id = False
+            self._worker_pids_set = self._worker_processes.untell_torch()
             self._worker_processes.forget()
+            if self._tuning is not None:
+                self._tuning.tuner.detach()
             self._table.tasks = {}
             self._slab_pool.close()  # (the share lives on with the loader, for the next epoch)
 
@@ -501,6 +520,16 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
         # then terminate them (they hold nothing anyone still reads).
         if hasattr(self, "_slab_pool") and self._owner_pid == os.getpid():
             self._shutdown_workers(join_s=0.2)
+
+
+def _dataset_share(loader: DataLoader, dataset, transport: TransportConfig) -> DatasetShare | None:
+    """The dataset's large containers, shared with the workers instead of copied (shared.py),
+    built again only where they changed since the last epoch's; None where sharing is off."""
+    share = loader._dataset_share = DatasetShare.build(
+        dataset, last=loader._dataset_share) if transport.share_dataset else None
+    if share is not None and (share.shared or share.not_shared):
+        log.info("fastmm: %s", share.describe())
+    return share
 
 
 def _worker_spec(it: _SlabDataLoaderIter, loader: DataLoader, start_method: str) -> WorkerSpec:

@@ -30,12 +30,15 @@ def skip_counts(dataset) -> "SkipCountsOf | None":
     return SkipCountsOf(parts) if parts else None
 
 
-def decode_deadlines(dataset) -> list:
+def decode_deadlines(dataset, enforce: bool = False) -> list:
     """The decode deadlines ``dataset`` or the datasets it wraps offer (also under the older
-    name ``fastmm_sample_watch``)."""
+    name ``fastmm_sample_watch``); ``enforce``: marked as held to by a loader."""
     found = all_wrapped(dataset, "fastmm_decode_deadline")
-    return found + [d for d in all_wrapped(dataset, "fastmm_sample_watch")
-                    if not any(d is f for f in found)]
+    found += [d for d in all_wrapped(dataset, "fastmm_sample_watch")
+              if not any(d is f for f in found)]
+    for deadline in found if enforce else ():
+        deadline.enforced = True
+    return found
 
 
 def marks_sample_stage(dataset) -> bool:

@@ -332,6 +332,9 @@ class Progress:
     handed_out_before: list = dataclasses.field(default_factory=list)
     deal: "Deal | None" = None  # this rank's samples, dealt again at another world size
     shape: dict | None = None  # shape() of the loader as its iterator began (not saved)
+    # epochs these workers ran before this one with the same base seed (persistent workers):
+    # with num_workers="auto", a part of each batch's seed (autotune.batch_seed)
+    epoch: int = 0
 
     def __post_init__(self):
         self.worker_rng = list(self.worker_rng) or [None] * self.num_workers
@@ -356,6 +359,7 @@ class Progress:
         if restore is not None:
             if restore.base_seed is not None:
                 progress.worker_rng = list(restore.worker_rng)
+                progress.epoch = restore.epoch + (0 if restore.mid_epoch else 1)
             if restore.mid_epoch:  # the sampler tap skips what was handed out
                 progress.batches, progress.ahead = restore.batches, set(restore.ahead)
                 progress.worker_batches = list(restore.worker_batches)
@@ -376,6 +380,7 @@ class Progress:
         self.sampler_rng = self.sampler_state = self.dataset_state = self.last_worker = None
         self.batches, self.done, self.ahead, self.handed_out_before = 0, False, set(), []
         self.deal = None
+        self.epoch += 1
         self.worker_batches = [0] * self.num_workers
         self.worker_iter_states = carried_iter_states(self.worker_iter_states)
 
@@ -889,6 +894,7 @@ def encode(loader, progress: Progress | None) -> dict:
         "batches": p.batches if p.mid_epoch else 0,
         "ahead": sorted(p.ahead) if p.mid_epoch else [],
         "base_seed": p.base_seed if same_workers else None,
+        "seed_epoch": p.epoch,
         "sampler_rng": None if p.sampler_rng is None or not p.mid_epoch else {
             "torch": _b64(p.sampler_rng[0]),
             "generator": None if p.sampler_rng[1] is None else _b64(p.sampler_rng[1]),
@@ -1066,7 +1072,8 @@ def _read(loader, state: dict) -> tuple[Progress, object, list, list | None]:
     # same on every resume); else a new worker layout draws one, as a new iterator does
     if same_workers or changed:
         p.base_seed = state["base_seed"]
-        _check(p.base_seed is None or _count(p.base_seed), "base_seed")
+        p.epoch = state.get("seed_epoch", 0)  # (older states lack it)
+        _check((p.base_seed is None or _count(p.base_seed)) and _count(p.epoch), "base_seed")
     if same_workers:
         _check(len(state["workers"]) == loader.num_workers, "workers")
         for rng in state["workers"]:

@@ -491,6 +491,10 @@ class SlabPool:
         self._closed = False
         _raise_fd_limit()
 
+    def keep_free(self, slabs: int) -> None:
+        """Keep up to ``slabs`` free slabs from now on (the tuner changed the prefetch)."""
+        self._keep = slabs
+
     def connect(self, channel: int, fd_sock: socket.socket) -> None:
         """A worker joins the pool (``channel``: its number here; a replacement gets a new
         one): it is sent the table and the free slabs."""

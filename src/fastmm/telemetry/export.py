@@ -17,6 +17,12 @@ def table(summary: dict) -> str:
     """The summary as aligned text: distributions as p50 / p95 / p99 / max."""
     lines = [f"{summary['loader']}: {summary['samples']} samples in {summary['batches']} "
              f"batches, {summary['num_workers']} workers, {summary['wall_s']:.2f} s"]
+    tuned = summary.get("tuned")
+    if tuned:
+        lines.append(f"  tuned (num_workers='auto'): now num_workers={tuned['num_workers']}, "
+                     f"prefetch_factor={tuned['prefetch_factor']}")
+        lines += [f"    at {c['at_s']:.1f} s: {c['setting']} {c['old']} -> {c['new']} ({c['why']})"
+                  for c in tuned["changes"]]
     width = max(len(k) for k in METRICS)
     for name in METRICS:
         value = summary["metrics"].get(name)

@@ -84,6 +84,8 @@ class Telemetry:
         self._gpu_compute_s = 0.0
         self._h2d_bytes = 0
         self._samples = self._batches = self._failed = self._restarts = 0
+        self._tuning: list[dict] = []  # num_workers="auto": each change, as it was made
+        self._settled: dict | None = None  # and where it stands
         self._collated = 0  # samples the collate spans counted (len of each batch's list)
         self._skipped_before = 0
         self._wall_s = 0.0  # of the epochs that ended
@@ -126,7 +128,7 @@ class Telemetry:
 
     def _workers(self) -> list[int]:
         workers = getattr(self._iterator, "_workers", None) or []
-        return [w.pid for w in workers if w.pid is not None]
+        return [w.pid for w in workers if w is not None and w.pid is not None]  # ("auto": unstarted)
 
     def _start_sampler(self) -> None:
         if self._sampler is None:
@@ -282,6 +284,9 @@ class Telemetry:
         return {
             "loader": f"{loader.__module__}.{loader.__qualname__}" if loader else None,
             "num_workers": workers,
+            # num_workers="auto": where it stands, and each change (when, from, to, why)
+            "tuned": None if self._settled is None else {**self._settled,
+                                                          "changes": list(self._tuning)},
             "batch_size": getattr(self.loader, "batch_size", None),
             "samples": self._samples, "batches": self._batches, "wall_s": wall_s,
             "sampler_cpu_s": self._sampler_cpu_s,
@@ -371,12 +376,13 @@ class _EpochIterator(_Forwarding):
     """
 
     _OWN = ("_it", "_tm", "_loader", "_t_iter", "_start", "_replaced", "_last", "_ended",
-            "_batched", "_times", "_sampling")
+            "_batched", "_times", "_sampling", "_tuned")
 
     def __init__(self, tm: Telemetry, loader, it, t_iter: int, start: tuple):
         self._tm, self._loader, self._it, self._t_iter = tm, loader, it, t_iter
         self._start = start
         self._replaced = _replacements(it)
+        self._tuned = 0  # the iterator's tuning changes taken in
         self._batched = getattr(loader, "_auto_collation", True)
         self._last = None  # when the loop got the last batch flushed
         self._ended = False
@@ -439,6 +445,25 @@ class _EpochIterator(_Forwarding):
         if replaced != self._replaced:
             tm._restarts += replaced - self._replaced
             self._replaced = replaced
+        self._take_tuning()
+
+    def _take_tuning(self) -> None:
+        """num_workers="auto": the changes made since the last flush, into the summary and
+        the trace (a mark at each change)."""
+        tm, tuning = self._tm, getattr(self._it, "_tuning", None)
+        if tuning is None:
+            return
+        changes = tuning.changes
+        for at_ns, change in changes[self._tuned:]:
+            tm._tuning.append({"at_s": round((at_ns - tm._t0_ns) / 1e9, 3),
+                               "setting": change.setting, "old": change.old, "new": change.new,
+                               "why": change.why})
+            if tm.trace:
+                tm._loop_events.append(
+                    (f"{change.setting} {change.old} -> {change.new}", at_ns, at_ns))
+        self._tuned = len(changes)
+        tm._settled = {"num_workers": tuning.tuner.workers,
+                       "prefetch_factor": tuning.tuner.prefetch}
 
     def close(self, ran_out: bool = False) -> None:
         if not self._ended:

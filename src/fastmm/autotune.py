@@ -1,0 +1,417 @@
+"""``num_workers="auto"``, ``prefetch_factor="auto"`` and ``cpu_budget=`` (issue 55): a loader
+that sets its own worker count and prefetch depth while it runs, from what it measures each
+period: the share of the time the loop waited for batches, the CPU its workers used, the cores
+the machine left idle (docs/loader.md, "A loader that tunes itself").
+
+The loader may start up to ``most`` workers (``most_workers``); it starts the first ``workers`` of
+them and hands them batches, and starts more when the tuner calls for them. Those it stops handing
+batches to wait idle, using no CPU. With "auto", each batch's random draws are seeded from the epoch's base seed
+and the batch's place in the epoch (``batch_seed``), not from the worker that makes it: a change
+of count changes no draw, and a state resumes at any count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import sys
+import time
+from typing import Callable, NamedTuple
+
+from .config import ConfigError
+
+log = logging.getLogger("fastmm")
+
+AUTO = "auto"
+PERIOD_S = 1.0  # one adjustment period
+WAITING = 0.05  # the loop waited this share of a period or more: it wants more workers
+NOT_WAITING = 0.01  # it waited less: maybe fewer do
+IDLE_WORKERS = 0.25  # while it waited, this share of the workers had nothing left to do
+CALM_PERIODS = 3  # periods without waiting before a worker is taken away
+FIRST_PREFETCH = 2  # torch's default
+MOST_PREFETCH = 8
+WORKER_MEMORY = 256 * 2**20  # available memory a worker is counted to need, for the cap
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSettings:
+    """What "auto" was asked for: the count (``workers``), the depth (``prefetch``), or both,
+    within ``cpu_budget`` (a fraction of the usable cores, or None) and ``most`` workers."""
+
+    workers: bool
+    prefetch: bool
+    cpu_budget: float | None
+    most: int
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def most_workers(cpu_budget: float | None, cores: int | None = None,
+                 available: int | None = None) -> int:
+    """The cap: twice the cores the workers may use (this process's, or the budget's share of
+    them; a worker waiting on storage leaves its core idle, and the tuner adds workers only
+    while cores are idle), at least one, and no more than the available memory holds at
+    ``WORKER_MEMORY`` each."""
+    cores = usable_cores() if cores is None else cores
+    share = 1.0 if cpu_budget is None else cpu_budget
+    by_cpu = max(1, math.floor(2 * share * cores + 1e-9))
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return max(1, min(by_cpu, available // WORKER_MEMORY))
+
+
+def _budget(value, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} should be a fraction of the machine's cores above 0 and at "
+                         f"most 1 (0.5: half of them), but got {name}={value!r}")
+    return float(value)
+
+
+def _from_env() -> tuple[object, object]:
+    """FASTMM_NUM_WORKERS ("auto" or a whole number) and FASTMM_CPU_BUDGET, raw or None."""
+    raw = os.environ.get("FASTMM_NUM_WORKERS", "").strip()
+    workers = None
+    if raw:
+        if raw.lower() == AUTO:
+            workers = AUTO
+        else:
+            try:
+                workers = int(raw)
+            except ValueError:
+                workers = -1
+            if workers < 0:
+                raise ConfigError(f"FASTMM_NUM_WORKERS={raw!r}: use 'auto' or a whole number "
+                                  "of workers (0: none)")
+    budget = os.environ.get("FASTMM_CPU_BUDGET", "").strip()
+    if not budget:
+        return workers, None
+    try:
+        value = float(budget)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise ConfigError(f"FASTMM_CPU_BUDGET={budget!r}: use a fraction of the machine's cores "
+                          "above 0 and at most 1 (0.5: half of them)")
+    return workers, value
+
+
+def settings(num_workers, prefetch_factor, cpu_budget) -> tuple[object, object, AutoSettings | None]:
+    """The loader's arguments with the environment applied (FASTMM_NUM_WORKERS overrides
+    ``num_workers``; FASTMM_CPU_BUDGET gives ``cpu_budget`` where it was not), "auto" replaced:
+    torch's ``num_workers`` and ``prefetch_factor`` (the cap, and the depth to start at), and
+    what the tuner may do (None: nothing is tuned)."""
+    env_workers, env_budget = _from_env()
+    if env_workers is not None:
+        num_workers = env_workers
+    budget = _budget(cpu_budget, "cpu_budget")
+    if budget is None:
+        budget = env_budget
+    auto_workers = isinstance(num_workers, str) and num_workers == AUTO
+    auto_prefetch = isinstance(prefetch_factor, str) and prefetch_factor == AUTO
+    if not auto_workers and budget is not None and cpu_budget is not None:
+        raise ValueError("cpu_budget applies to num_workers='auto' (the workers it may run); "
+                         f"with num_workers={num_workers!r} set the count instead")
+    if not auto_workers and not auto_prefetch:
+        return num_workers, prefetch_factor, None
+    if auto_prefetch and not auto_workers and num_workers == 0:
+        raise ValueError("prefetch_factor='auto' needs workers: num_workers='auto' or above 0")
+    most = most_workers(budget) if auto_workers else num_workers
+    auto_prefetch = auto_prefetch or (auto_workers and prefetch_factor is None)
+    return (most, FIRST_PREFETCH if auto_prefetch else prefetch_factor,
+            AutoSettings(auto_workers, auto_prefetch, budget if auto_workers else None, most))
+
+
+def first_workers(settings: AutoSettings) -> int:
+    """How many workers "auto" starts with: two, or fewer where the cap or the budget's cores
+    say so (it adds more within the first seconds while the loop waits)."""
+    first = min(settings.most, 2)
+    if settings.cpu_budget is not None:
+        first = min(first, max(1, math.floor(settings.cpu_budget * usable_cores() + 1e-9)))
+    return first
+
+
+def batch_seed(base_seed: int, epoch: int, position: int) -> int:
+    """The seed of one batch's random draws with "auto": the same whichever worker makes it."""
+    digest = hashlib.blake2b(f"{base_seed}:{epoch}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # (torch.manual_seed takes below 2**63)
+
+
+class Change(NamedTuple):
+    """One change the tuner made: ``at_s`` seconds after the loader's first batch was asked
+    for, ``setting`` ("num_workers" or "prefetch_factor") from ``old`` to ``new``, and why."""
+
+    at_s: float
+    setting: str
+    old: int
+    new: int
+    why: str
+
+
+class Reading(NamedTuple):
+    """Counters read at one moment (cumulative seconds): the workers' CPU time, summed, and
+    the machine's idle CPU time, summed over its cores."""
+
+    workers_cpu_s: float
+    idle_cpu_s: float
+
+
+def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
+    """A reader of the workers' CPU time (``pids()``: the started workers' pids) and of the
+    machine's idle time, from /proc through psutil."""
+    import psutil
+
+    def read() -> Reading:
+        used = 0.0
+        for pid in pids():
+            try:
+                times = psutil.Process(pid).cpu_times()
+                used += times.user + times.system
+            except (psutil.Error, OSError):
+                pass  # gone: its replacement counts from its own start
+        idle = psutil.cpu_times()
+        return Reading(used, idle.idle + getattr(idle, "iowait", 0.0))
+
+    return read
+
+
+class Tuner:
+    """Decides, once a period, how many of the started workers get batches and how deep they
+    prefetch (``workers``, ``prefetch``), from the loop's waiting (``waited``) and ``read()``.
+
+    More workers while the loop waits for data and cores are idle (twice as many while it
+    waits most of the time); fewer once it has not waited for ``CALM_PERIODS`` periods and
+    one fewer carries the load (their CPU fits in one fewer), never below a count at which it
+    waited after such a cut; fewer at once when the workers used more than ``cpu_budget``; a
+    deeper prefetch while the loop waits though a quarter of the workers or more had finished
+    their batches (batch times vary: a slow one holds the line), one less after ten periods
+    without waiting.
+
+    Args:
+        settings: what "auto" was asked for.
+        workers: the count to start at.
+        prefetch: the depth to start at.
+        read: the counters (``Reading``) of the workers attached (or ``attach`` later).
+        room: ``room(workers, prefetch)``: why a larger setting would not fit (shared
+            memory), or None.
+        cores: the cores this process may use (the budget's base).
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, settings: AutoSettings, workers: int, prefetch: int,
+                 read: Callable[[], Reading] | None = None,
+                 room: Callable[[int, int], str | None] | None = None, cores: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings, self.workers, self.prefetch = settings, workers, prefetch
+        self._clock = clock
+        self._cores = usable_cores() if cores is None else cores
+        self.changes: list[Change] = []  # over the loader's life
+        self._start = clock()
+        self._calm = 0  # periods in a row the loop did not wait
+        self._cut_to = None  # the count the last cut (the loop not waiting) went down to
+        self._floor = 1  # no cut below this count (one made the loop wait)
+        self._settling = False  # the period after a change: the pipeline refills, not judged
+        self.epoch_changes = 0
+        self._said = False
+        self._read = self._room = None
+        if read is not None:
+            self.attach(read, room or (lambda workers, prefetch: None))
+
+    def attach(self, read: Callable[[], Reading],
+               room: Callable[[int, int], str | None]) -> None:
+        """Measure a new iterator's workers (the loader keeps its tuner from one to the next:
+        a new epoch starts where the last one settled). Its first period, with the workers
+        starting, is not judged, unless this is the loader's first."""
+        self._settling = self._read is not None
+        self._read, self._room = read, room
+        self._begin_period()
+
+    def detach(self) -> None:
+        """Its iterator's workers are gone: measure nothing until the next one attaches."""
+        self._read = lambda: Reading(0.0, 0.0)
+        self._room = lambda workers, prefetch: None
+
+    def _begin_period(self) -> None:
+        self._period_start, self._last = self._clock(), self._read()
+        self._waited = self._waited_idle = 0.0
+
+    def waited(self, seconds: float, idle_share: float = 0.0) -> None:
+        """The loop waited ``seconds`` for a batch while ``idle_share`` of the workers owed
+        no result (they had finished theirs: a deeper prefetch would have kept them busy)."""
+        self._waited += seconds
+        self._waited_idle += seconds * idle_share
+
+    def tick(self) -> list[Change]:
+        """Once a period has passed, the changes it calls for (applied to ``workers`` and
+        ``prefetch`` already), else []."""
+        now = self._clock()
+        elapsed = now - self._period_start
+        if elapsed < PERIOD_S:
+            return []
+        reading = self._read()
+        wait = self._waited / elapsed
+        idle_workers = self._waited_idle / self._waited if self._waited else 0.0
+        cpu = max(0.0, reading.workers_cpu_s - self._last.workers_cpu_s) / elapsed
+        idle = max(0.0, reading.idle_cpu_s - self._last.idle_cpu_s) / elapsed
+        self._begin_period()
+        if self._settling:
+            self._settling = False
+            return []
+        changes = self._decide(now - self._start, wait, cpu, idle, idle_workers)
+        self._settling = bool(changes)
+        self.changes.extend(changes)
+        self.epoch_changes += len(changes)
+        return changes
+
+    def _decide(self, at: float, wait: float, cpu: float, idle: float,
+                idle_workers: float) -> list[Change]:
+        """The changes one period calls for.
+
+        Args:
+            at: seconds since the tuner began.
+            wait: the share of the period the loop waited for batches.
+            cpu: the cores the workers used.
+            idle: the cores the machine left idle.
+            idle_workers: while the loop waited, the share of the workers with nothing left
+                to do.
+        """
+        s, n = self.settings, self.workers
+        per_worker = cpu / n if n else 0.0
+        budget = None if s.cpu_budget is None else s.cpu_budget * self._cores
+        said = f"the loop waited {wait:.0%} of the last period; the workers used {cpu:.2f} cores"
+        if s.workers and budget is not None and cpu > budget and n > 1:
+            over = math.ceil((cpu - budget) / max(per_worker, 1e-9))
+            return [self._set_workers(at, max(1, n - max(1, over)),
+                                      f"{said}, over the budget of {budget:.2f}")]
+        if wait >= WAITING:
+            self._calm = 0
+            if self._cut_to == n:
+                self._floor = n + 1  # the cut to n made it wait: no cut to n again
+            fits = budget is None or cpu + per_worker <= budget
+            if s.workers and n < s.most and idle >= 0.5 and fits:
+                more = n if wait >= 0.5 else 1
+                if budget is not None and per_worker > 0:
+                    more = min(more, max(1, math.floor((budget - cpu) / per_worker)))
+                new = min(s.most, n + more)
+                why = self._room(new, self.prefetch)
+                if why is None:
+                    return [self._set_workers(at, new, f"{said}; {idle:.2f} cores idle")]
+            if s.prefetch and self.prefetch < MOST_PREFETCH and idle_workers >= IDLE_WORKERS:
+                if self._room(n, self.prefetch + 1) is None:
+                    return [self._set_prefetch(
+                        at, self.prefetch + 1, f"{said}; {idle_workers:.0%} of them had "
+                        "finished their batches meanwhile (batch times vary)")]
+            return []
+        if wait < NOT_WAITING:
+            self._calm += 1
+            if (s.workers and self._calm >= CALM_PERIODS and n > self._floor
+                    and cpu <= 0.9 * (n - 1)):
+                self._calm = 0
+                self._cut_to = n - 1
+                return [self._set_workers(at, n - 1, f"the loop did not wait for "
+                                          f"{CALM_PERIODS} periods; the workers used "
+                                          f"{cpu:.2f} cores, which {n - 1} carry")]
+            if s.prefetch and self._calm >= 10 and self.prefetch > FIRST_PREFETCH:
+                self._calm = 0
+                return [self._set_prefetch(at, self.prefetch - 1,
+                                           "the loop did not wait for 10 periods")]
+        return []
+
+    def _set_workers(self, at: float, new: int, why: str) -> Change:
+        change = Change(round(at, 3), "num_workers", self.workers, new, why)
+        self.workers = new
+        return change
+
+    def _set_prefetch(self, at: float, new: int, why: str) -> Change:
+        change = Change(round(at, 3), "prefetch_factor", self.prefetch, new, why)
+        self.prefetch = new
+        return change
+
+    def settled(self) -> str:
+        """The line said at an epoch's end: where it settled, to pin."""
+        pin = []
+        if self.settings.workers:
+            pin.append(f"num_workers={self.workers}")
+        if self.settings.prefetch:
+            pin.append(f"prefetch_factor={self.prefetch}")
+        return (f"fastmm: 'auto' settled at {', '.join(pin)} after {len(self.changes)} "
+                f"change(s) ({self.epoch_changes} this epoch); pin them with "
+                f"DataLoader(..., {', '.join(pin)})")
+
+    def say_settled(self) -> None:
+        """At an epoch's end: said after the first epoch, then after each that changed them."""
+        if self.epoch_changes or not self._said:
+            print(self.settled(), file=sys.stderr, flush=True)
+        self._said, self.epoch_changes = True, 0
+
+
+class Tuning:
+    """A multi-process iterator's side of "auto": the loader's tuner measuring this iterator's
+    workers, each task's seed, the time the loop waits, and the tuner's changes applied to the
+    tasks (``table``) and the slab pool. Only as many workers start as the tuner says (two at
+    first); the iterator starts more when ``retune`` says so. An IterableDataset's workers each
+    read their own part of the stream: all of them start and get tasks.
+
+    Args:
+        loader: the loader (it keeps the tuner from one iterator to the next).
+        iterable: whether the dataset is an IterableDataset.
+        receiver: the iterator's Receiver: its task table, slab pool and worker processes
+            (their pids are measured), and ``room`` (would a larger setting fit in shared
+            memory).
+    """
+
+    def __init__(self, loader, iterable: bool, receiver):
+        table, workers = receiver.table, receiver.workers
+        settings = loader.autotune
+        if iterable:
+            settings = dataclasses.replace(settings, workers=False)
+        tuner = loader._tuner
+        if tuner is None or tuner.settings != settings:
+            tuner = loader._tuner = Tuner(
+                settings, first_workers(settings) if settings.workers else table.num_workers,
+                loader.prefetch_factor)
+        # (not the iterator: the loader keeps the tuner, and must not keep the iterator)
+        tuner.attach(read_processes(lambda: [p.pid for p in workers.started()]), receiver.room)
+        self.tuner, self.seeded = tuner, settings.workers
+        self._table, self._slab_pool = table, receiver.slab_pool
+        self.changes: list[tuple[int, Change]] = []  # (time.monotonic_ns(), change), telemetry's
+        self._apply()
+
+    def seed(self, base_seed: int, epoch: int, position: int) -> int | None:
+        """A task's seed: its batch's own where the worker count changes, else None."""
+        return batch_seed(base_seed, epoch, position) if self.seeded else None
+
+    def timed_wait(self, wait, *args):
+        """``wait(*args)`` (the loop waiting for a batch), its time told to the tuner."""
+        idle, began = self._table.idle_share(), time.perf_counter()
+        event = wait(*args)
+        self.tuner.waited(time.perf_counter() - began, idle)
+        return event
+
+    def retune(self) -> bool:
+        """Apply what the tuner decided this period, if anything; whether it changed."""
+        changes = self.tuner.tick()
+        if not changes:
+            return False
+        now = time.monotonic_ns()
+        self.changes += [(now, change) for change in changes]
+        for change in changes:
+            log.info("fastmm: %s %d -> %d: %s", change.setting, change.old, change.new,
+                     change.why)
+        self._apply()
+        return True
+
+    def _apply(self) -> None:
+        self._table.set_shape(self.tuner.workers, self.tuner.prefetch)
+        self._slab_pool.keep_free(self.tuner.workers * (self.tuner.prefetch + 1))

@@ -1,0 +1,299 @@
+"""``num_workers="auto"`` against the best fixed setting of a sweep, side by side in one run
+(issue 55).
+
+Each round, for each workload, fastmm's DataLoader runs every fixed ``(num_workers,
+prefetch_factor)`` of the sweep for ``--seconds`` (after one batch per worker and a settling
+second), then ``num_workers="auto"`` for ``--auto-seconds`` from its construction, every batch's
+time kept. The finding: auto's rate over the last ``--seconds`` of its run against the round's
+best fixed rate (paired per round), and when auto's rate over a ``--seconds`` window first
+reached 95% of that best. Settings run in a new order each round.
+
+Workloads: ``decode`` (PIL + v2 crop and flip over the generated JPEG corpus, batch 32, the
+loop reading every byte), ``transport`` (a fresh clone of a 16x3x224x224 uint8 clip per sample,
+batch 32), and a pipeline of your own with ``--dataset MODULE:CALLABLE`` (and ``--step``).
+``--cpu-budget F --step-ms M`` puts a CPU-bound step (a pure-Python loop of M ms, holding the
+GIL) after each batch: the step alone is timed first, then auto within the budget, and the fixed
+settings whose workers used at most the budget are the ones auto is judged against; the
+workers' CPU is read once a second.
+Run: ``python -m fastmm.bench.tuning --out DIR`` (``--quick``: 1 round, 1 s windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import psutil
+import torch
+
+import fastmm
+
+from . import env, options, stats
+from .harness import OtherCores, rotated, wait_for_children
+from .report import busy_notes, save_study
+from .workloads import sum64
+
+REACH = 0.95  # auto's rate within the time it is given, at least this much of the best fixed
+STEP_GROWTH_BAR = 1.10  # with a budget: the step's own time at most this much of it alone
+
+
+def busy_step(ms: float):
+    """A training step's CPU work: a pure-Python loop of about ``ms`` milliseconds (it holds
+    the GIL, as a Python-heavy step does)."""
+    def step(batch) -> None:
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            pass
+    return step
+
+
+def _workload(name: str, args):
+    """(dataset, batch size, step or None) of a named workload, or of ``--dataset``."""
+    if name == "decode":
+        from .corpus import default_cache_dir, ensure_corpus
+        from .workloads import JpegFolderDataset
+
+        corpus = ensure_corpus(default_cache_dir(), args.images)
+        return JpegFolderDataset(corpus.files), 32, None
+    if name == "transport":
+        from .workloads import ClipBankDataset
+
+        return ClipBankDataset((16, 3, 224, 224)), 32, None
+    from .ab import load_target, make_dataset
+
+    dataset = make_dataset(load_target(args.dataset, "--dataset"), args.dataset)
+    step = load_target(args.step, "--step") if args.step else None
+    return dataset, args.batch_size, step
+
+
+class Workers:
+    """The CPU the loader's workers used, read at most once a second: the most any second
+    used (the first second, while workers start, included), in cores."""
+
+    def __init__(self):
+        self.peak = 0.0
+        self._last = None  # (when, their CPU seconds then)
+
+    def read(self, it) -> None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < 1.0:
+            return
+        total = 0.0
+        for w in getattr(it, "_workers", None) or []:
+            try:
+                t = psutil.Process(w.pid).cpu_times() if w is not None else None
+            except psutil.Error:
+                t = None
+            total += 0.0 if t is None else t.user + t.system
+        if self._last is not None:
+            self.peak = max(self.peak, (total - self._last[1]) / (now - self._last[0]))
+        self._last = (now, total)
+
+
+def _batches(loader):
+    """(the epoch's iterator, a batch), epoch after epoch."""
+    while True:
+        it = iter(loader)
+        for batch in it:
+            yield it, batch
+
+
+def run(dataset, batch_size: int, step, num_workers, prefetch_factor, seconds: float,
+        *, auto_seconds: float | None = None, cpu_budget: float | None = None) -> dict:
+    """One loader run: batches/s over ``seconds`` after one batch per worker and a settling
+    second (fixed), or every batch's time over ``auto_seconds`` from the constructor (auto);
+    the step's median time; the workers' peak CPU over a second."""
+    made = time.perf_counter()
+    loader = fastmm.DataLoader(dataset, batch_size=batch_size,
+                               num_workers=num_workers, prefetch_factor=prefetch_factor,
+                               cpu_budget=cpu_budget, persistent_workers=True,
+                               generator=torch.Generator().manual_seed(0))
+    workers, times, steps = Workers(), [], []
+    counted_from, count, warm = None, 0, loader.num_workers + 1
+    for it, batch in _batches(loader):
+        sum64(batch)
+        if step is not None:
+            t = time.perf_counter()
+            step(batch)
+            steps.append(time.perf_counter() - t)
+        now = time.perf_counter()
+        workers.read(it)
+        times.append(now - made)
+        if auto_seconds:
+            if now - made >= auto_seconds:
+                break
+        elif len(times) == warm:
+            counted_from = now + 1.0  # a settling second, then the window
+        elif counted_from is not None and now >= counted_from:
+            count += 1
+            if now - counted_from >= seconds:
+                break
+    tuning = getattr(it, "_tuning", None)
+    rate = count / (time.perf_counter() - counted_from) if count else None
+    del it, batch, loader
+    wait_for_children()
+    out = {"workers_cpu_peak": workers.peak,
+           "step_s": sorted(steps)[len(steps) // 2] if steps else None}
+    if not auto_seconds:
+        return out | {"rate": rate}
+    tuner = None if tuning is None else tuning.tuner
+    return out | {"times": times,
+                  "settled": None if tuner is None else {"num_workers": tuner.workers,
+                                                         "prefetch_factor": tuner.prefetch},
+                  "changes": [] if tuner is None else [c._asdict() for c in tuner.changes]}
+
+
+def window_rates(times: list[float], seconds: float) -> list[tuple[float, float]]:
+    """(t, batches/s over the ``seconds`` up to t) at each batch from ``seconds`` in."""
+    out, first = [], 0
+    for i, t in enumerate(times):
+        while times[first] <= t - seconds:
+            first += 1
+        if t >= seconds + times[0]:
+            out.append((t, (i - first + 1) / seconds))
+    return out
+
+
+def judge_auto(auto: dict, best_rate: float, seconds: float) -> dict:
+    """Auto's rate over its last ``seconds``, and when a window first reached REACH of the
+    best fixed rate (None: never)."""
+    rates = window_rates(auto["times"], seconds)
+    reached = next((t for t, r in rates if r >= REACH * best_rate), None)
+    end = auto["times"][-1] if auto["times"] else 0.0
+    last = sum(1 for t in auto["times"] if t > end - seconds) / seconds if rates else None
+    return {"rate": last, "reached_s": reached, "ratio": None if last is None else last / best_rate}
+
+
+def sweep(args) -> list[tuple[int, int]]:
+    workers = args.num_workers or list(range(1, 2 * env.usable_cores() + 1))
+    return list(itertools.product(workers, args.prefetch_factors))
+
+
+def round_of(name: str, args, r: int) -> dict:
+    dataset, batch_size, step = _workload(name, args)
+    budget = args.cpu_budget
+    if budget is not None:
+        step = busy_step(args.step_ms)
+    alone = None
+    if step is not None and budget is not None:  # the step alone, for its growth
+        batch = torch.zeros(batch_size)
+        times = []
+        for _ in range(max(20, int(1.0 / (args.step_ms / 1e3)))):
+            t = time.perf_counter()
+            step(batch)
+            times.append(time.perf_counter() - t)
+        alone = sorted(times)[len(times) // 2]
+    fixed = {}
+    with OtherCores() as others:
+        for nw, pf in rotated(sweep(args), r):
+            fixed[f"{nw},{pf}"] = run(dataset, batch_size, step, nw, pf, args.seconds)
+            print(f"[tuning] {name} round {r + 1}: num_workers={nw} prefetch_factor={pf}: "
+                  f"{fixed[f'{nw},{pf}']['rate'] or 0:.1f} batches/s", file=sys.stderr, flush=True)
+        auto = run(dataset, batch_size, step, "auto", None, args.seconds,
+                   auto_seconds=args.auto_seconds, cpu_budget=budget)
+    fits = {k: v for k, v in fixed.items() if v["rate"] and (
+        budget is None or v["workers_cpu_peak"] <= budget * env.usable_cores() * 1.05)}
+    best = max(fits, key=lambda k: fits[k]["rate"]) if fits else None
+    judged = judge_auto(auto, fits[best]["rate"], args.seconds) if best else {}
+    print(f"[tuning] {name} round {r + 1}: auto {judged.get('rate') or 0:.1f} batches/s "
+          f"against {best} {fits[best]['rate'] if best else 0:.1f}, settled "
+          f"{auto['settled']}", file=sys.stderr, flush=True)
+    return {"fixed": fixed, "auto": auto, "best": best, "judged": judged,
+            "step_alone_s": alone, "other_processes_cpu_cores": others.cores}
+
+
+def summary_of(name: str, rounds: list[dict], args) -> dict:
+    budget_cores = None if args.cpu_budget is None else args.cpu_budget * env.usable_cores()
+    ratio = stats.summarize(r["judged"].get("ratio") for r in rounds)
+    reached = [r["judged"].get("reached_s") for r in rounds]
+    growth = stats.summarize(r["auto"]["step_s"] / r["step_alone_s"] for r in rounds
+                             if r["step_alone_s"] and r["auto"]["step_s"])
+    return {"workload": name, "ratio": ratio,
+            "reached_s": stats.summarize(reached),
+            "never_reached": sum(1 for x in reached if x is None),
+            "best": [r["best"] for r in rounds],
+            "settled": [r["auto"]["settled"] for r in rounds],
+            "step_growth": growth,
+            "workers_cpu_peak": stats.summarize(r["auto"]["workers_cpu_peak"] for r in rounds),
+            "budget_cores": budget_cores}
+
+
+def finding(summaries: list[dict], args) -> dict:
+    lines, met = [], True
+    for s in summaries:
+        ok = bool(s["ratio"]) and s["ratio"]["ci_low"] >= REACH and s["never_reached"] == 0
+        text = (f"{s['workload']}: auto's rate {stats.interval(s['ratio'], 3, 'x')} the best "
+                f"fixed setting's (best per round: {', '.join(map(str, s['best']))}), 95% of it "
+                f"reached at {stats.interval(s['reached_s'], 1, ' s')} "
+                f"({s['never_reached']} round(s) never) within {args.auto_seconds:g} s; settled "
+                f"at {s['settled'][-1]}")
+        if s["budget_cores"] is not None:
+            within = (s["workers_cpu_peak"] is not None
+                      and s["workers_cpu_peak"]["max"] <= s["budget_cores"] * 1.05)
+            grew = s["step_growth"] is not None and s["step_growth"]["ci_high"] <= STEP_GROWTH_BAR
+            ok = ok and within and grew
+            text += (f"; the workers' CPU at most {s['workers_cpu_peak']['max']:.2f} cores in a "
+                     f"second (budget {s['budget_cores']:.2f}); the step's time "
+                     f"{stats.interval(s['step_growth'], 3, 'x')} its time alone")
+        met = met and ok
+        lines.append(text + ".")
+    label = ("auto within 5% of the best fixed setting, the whole interval, in every round"
+             if met else "auto not shown within 5% of the best fixed setting in every workload")
+    return {"text": " ".join(lines), "call": "roll out" if met else "undecided", "label": label}
+
+
+@options.command
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmm.bench.tuning", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=options.directory, default=os.path.join("bench-out", "tuning"))
+    p.add_argument("--workloads", type=options.listed(str, ("decode", "transport", "dataset")),
+                   default=["decode", "transport"])
+    p.add_argument("--dataset", help="MODULE:CALLABLE returning your Dataset (workload "
+                   "'dataset')")
+    p.add_argument("--step", help="MODULE:CALLABLE, your training step, called with each batch")
+    p.add_argument("--batch-size", type=options.whole(1), default=32)
+    p.add_argument("--num-workers", type=options.listed(int), default=None,
+                   help="the fixed worker counts to sweep (default: 1 to twice the cores)")
+    p.add_argument("--prefetch-factors", type=options.listed(int), default=[2, 4])
+    p.add_argument("--seconds", type=options.number(0.0), default=5.0)
+    p.add_argument("--auto-seconds", type=options.number(0.0), default=30.0)
+    p.add_argument("--rounds", type=options.whole(1), default=6)
+    p.add_argument("--images", type=options.whole(1), default=500)
+    p.add_argument("--cpu-budget", type=options.number(0.0, below=1.0 + 1e-9), default=None,
+                   help="a CPU-bound step of --step-ms beside the loader, auto within this "
+                   "fraction of the cores")
+    p.add_argument("--step-ms", type=options.number(0.0), default=20.0)
+    p.add_argument("--quick", action="store_true", help="1 round, 1 s windows, auto 6 s")
+    args = options.parse(p, argv, {"rounds": 1, "seconds": 1.0, "auto_seconds": 6.0,
+                                   "images": 64})
+    if "dataset" in args.workloads and not args.dataset:
+        p.error("the 'dataset' workload needs --dataset MODULE:CALLABLE")
+    per = {name: [round_of(name, args, r) for r in range(args.rounds)]
+           for name in args.workloads}
+    summaries = [summary_of(name, rounds, args) for name, rounds in per.items()]
+    result = {"environment": env.capture(env.module_argv(__spec__, __name__)),
+              "sweep": sweep(args), "seconds": args.seconds, "auto_seconds": args.auto_seconds,
+              "cpu_budget": args.cpu_budget, "step_ms": args.step_ms if args.cpu_budget else None,
+              "rounds": per, "summaries": summaries,
+              "busy": busy_notes("tuning", [r["other_processes_cpu_cores"]
+                                            for rounds in per.values() for r in rounds])}
+    result["finding"] = finding(summaries, args)
+    rows = [[s["workload"], stats.interval(s["ratio"], 3, "x"),
+             stats.interval(s["reached_s"], 1, " s"), str(s["never_reached"]),
+             ", ".join(map(str, s["best"])), str(s["settled"][-1])] for s in summaries]
+    save_study(args.out, "tuning", result, "num_workers='auto' against a sweep of fixed settings",
+               ["workload", "auto / best fixed", "95% of best reached at", "rounds never",
+                "best fixed (num_workers,prefetch_factor) per round", "auto settled at (last round)"],
+               rows, [f"Command: `{result['environment']['command']}`. Sweep: "
+                      f"{', '.join(f'{w},{p}' for w, p in result['sweep'])}; windows of "
+                      f"{args.seconds:g} s; auto ran {args.auto_seconds:g} s from its "
+                      "constructor."], [])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""num_workers="auto" (issue 55): the tuner's decisions from given measurements, the arguments
+and variables, and with real worker processes: each sample once in the sampler's order, the
+same batches and draws whatever the tuner does, resume at another count, telemetry."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+import fastmm
+from fastmm import autotune
+from fastmm.autotune import AutoSettings, Change, Reading, Tuner
+from fastmm.config import ConfigError
+from fastmm.telemetry import Telemetry
+
+from _resume_job import Augmented
+
+GiB = 2**30
+
+
+class Machine:
+    """The tuner's view of a made-up machine: a clock, the CPU its workers used, the idle."""
+
+    def __init__(self):
+        self.t = self.cpu = self.idle = 0.0
+
+    def clock(self) -> float:
+        return self.t
+
+    def read(self) -> Reading:
+        return Reading(self.cpu, self.idle)
+
+    def period(self, tuner: Tuner, wait: float, cpu: float, idle: float,
+               done: float = 0.0) -> list[Change]:
+        """One period in which the loop waited ``wait`` of the time (while ``done`` of the
+        workers had finished their batches), the workers used ``cpu`` cores and ``idle``
+        cores were idle: the changes it brought."""
+        tuner.waited(wait, done)
+        self.t += 1.0
+        self.cpu += cpu
+        self.idle += idle
+        return tuner.tick()
+
+
+def _tuner(machine, workers=2, most=8, prefetch=2, budget=None, room=None, cores=8,
+           auto_prefetch=True) -> Tuner:
+    return Tuner(AutoSettings(True, auto_prefetch, budget, most), workers, prefetch,
+                 machine.read, room or (lambda w, p: None), cores=cores, clock=machine.clock)
+
+
+def _moves(changes) -> list[tuple]:
+    return [(c.setting, c.old, c.new) for c in changes]
+
+
+def test_more_workers_while_the_loop_waits_and_cores_are_idle():
+    m = Machine()
+    t = _tuner(m)
+    assert _moves(m.period(t, wait=0.2, cpu=2, idle=5)) == [("num_workers", 2, 3)]
+    assert m.period(t, wait=0.6, cpu=3, idle=4) == []  # the pipeline refills: not judged
+    assert _moves(m.period(t, wait=0.6, cpu=3, idle=4)) == [("num_workers", 3, 6)]  # doubled
+    m.period(t, wait=0.6, cpu=6, idle=2)
+    assert _moves(m.period(t, wait=0.6, cpu=6, idle=2)) == [("num_workers", 6, 8)]  # the cap
+    m.period(t, 0.6, 8, 0)
+    assert t.workers == 8 and "waited 60%" in t.changes[-1].why
+    assert [c.at_s for c in t.changes] == [1.0, 3.0, 5.0]
+
+
+def test_no_more_workers_without_an_idle_core_but_a_deeper_prefetch_if_they_idle():
+    m = Machine()
+    t = _tuner(m)
+    assert m.period(t, wait=0.3, cpu=1.9, idle=0.1) == []  # busy workers, no core to add
+    assert _moves(m.period(t, wait=0.3, cpu=1.0, idle=0.1, done=0.5)) == [
+        ("prefetch_factor", 2, 3)]
+    assert "50% of them had finished their batches" in t.changes[-1].why
+    m2 = Machine()
+    t_fixed = _tuner(m2, auto_prefetch=False)
+    assert m2.period(t_fixed, wait=0.3, cpu=1.0, idle=0.1, done=0.5) == []
+
+
+def test_over_the_cpu_budget_workers_are_cut_at_once():
+    m = Machine()
+    t = _tuner(m, workers=6, budget=0.5, cores=8)  # 4 cores
+    assert _moves(m.period(t, wait=0.0, cpu=6.0, idle=1)) == [("num_workers", 6, 4)]
+    assert "over the budget of 4.00" in t.changes[-1].why
+
+
+def test_the_budget_bounds_what_is_added():
+    m = Machine()
+    t = _tuner(m, workers=2, budget=0.5, cores=8)
+    assert _moves(m.period(t, wait=0.9, cpu=2.0, idle=6)) == [("num_workers", 2, 4)]
+    m.period(t, 0.9, 4.0, 4)
+    assert m.period(t, wait=0.9, cpu=4.0, idle=4) == []  # a fifth would not fit
+
+
+def test_a_calm_loop_loses_a_worker_but_not_below_a_count_that_made_it_wait():
+    m = Machine()
+    t = _tuner(m, workers=4, auto_prefetch=False)
+    assert m.period(t, 0.0, 1.0, 6) == [] and m.period(t, 0.0, 1.0, 6) == []
+    assert _moves(m.period(t, 0.0, 1.0, 6)) == [("num_workers", 4, 3)]
+    m.period(t, 0.0, 1.0, 6)
+    assert _moves(m.period(t, 0.2, 3.0, 4)) == [("num_workers", 3, 4)]  # cut too far
+    m.period(t, 0.0, 1.0, 6)
+    for _ in range(5):
+        assert m.period(t, 0.0, 1.0, 6) == []  # 3 made it wait: it stays at 4
+
+
+def test_busy_workers_are_kept_though_the_loop_does_not_wait():
+    m = Machine()
+    t = _tuner(m, workers=4, auto_prefetch=False)
+    for _ in range(6):
+        assert m.period(t, 0.0, 3.9, 3) == []  # all four needed to keep up
+
+
+def test_prefetch_goes_back_down_after_ten_calm_periods():
+    m = Machine()
+    t = _tuner(m, workers=8, most=8, prefetch=4)
+    changes = [c for _ in range(11) for c in m.period(t, 0.0, 7.9, 0)]
+    assert _moves(changes) == [("prefetch_factor", 4, 3)]
+
+
+def test_no_step_past_what_shared_memory_holds():
+    m = Machine()
+    t = _tuner(m, room=lambda workers, prefetch: "the slab pool will not fit")
+    assert m.period(t, wait=0.5, cpu=1.0, idle=5) == []
+
+
+def test_the_cap_is_twice_the_cores_or_the_budgets_share_and_memory():
+    assert autotune.most_workers(None, cores=16, available=64 * GiB) == 32
+    assert autotune.most_workers(0.5, cores=16, available=64 * GiB) == 16
+    assert autotune.most_workers(0.01, cores=16, available=64 * GiB) == 1
+    assert autotune.most_workers(None, cores=16, available=GiB) == 4  # 256 MiB a worker
+
+
+def test_arguments_and_variables(monkeypatch):
+    monkeypatch.delenv("FASTMM_NUM_WORKERS", raising=False)
+    monkeypatch.delenv("FASTMM_CPU_BUDGET", raising=False)
+    monkeypatch.setattr(autotune, "usable_cores", lambda: 6)
+    data = list(range(10))
+    loader = fastmm.DataLoader(data, num_workers="auto", cpu_budget=0.5)
+    assert loader.num_workers == 6 and loader.prefetch_factor == 2
+    assert loader.autotune == AutoSettings(True, True, 0.5, 6)
+    fixed_depth = fastmm.DataLoader(data, num_workers="auto", prefetch_factor=4)
+    assert fixed_depth.autotune.prefetch is False and fixed_depth.prefetch_factor == 4
+    depth_only = fastmm.DataLoader(data, num_workers=2, prefetch_factor="auto")
+    assert depth_only.autotune == AutoSettings(False, True, None, 2)
+    assert fastmm.DataLoader(data, num_workers=2).autotune is None
+    with pytest.raises(ValueError, match="cpu_budget applies to num_workers='auto'"):
+        fastmm.DataLoader(data, num_workers=2, cpu_budget=0.5)
+    for bad in (0, 1.5, "half", True):
+        with pytest.raises(ValueError, match="fraction of the machine's cores"):
+            fastmm.DataLoader(data, num_workers="auto", cpu_budget=bad)
+    with pytest.raises(ValueError, match="needs workers"):
+        fastmm.DataLoader(data, prefetch_factor="auto")
+    with pytest.raises(TypeError, match="num_workers should be an integer"):
+        fastmm.DataLoader(data, num_workers="many")
+    monkeypatch.setenv("FASTMM_NUM_WORKERS", "auto")
+    assert fastmm.DataLoader(data, num_workers=5).autotune.workers  # the variable wins
+    monkeypatch.setenv("FASTMM_NUM_WORKERS", "1")
+    assert fastmm.DataLoader(data, num_workers="auto").num_workers == 1
+    monkeypatch.setenv("FASTMM_CPU_BUDGET", "0.25")
+    monkeypatch.setenv("FASTMM_NUM_WORKERS", "auto")
+    assert fastmm.DataLoader(data).num_workers == 3
+    for name, value in (("FASTMM_NUM_WORKERS", "lots"), ("FASTMM_NUM_WORKERS", "-2"),
+                        ("FASTMM_CPU_BUDGET", "2"), ("FASTMM_CPU_BUDGET", "x")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ConfigError, match=name):
+            fastmm.DataLoader(data)
+        monkeypatch.setenv(name, "auto" if name == "FASTMM_NUM_WORKERS" else "0.5")
+
+
+def test_a_batch_seed_depends_on_the_batch_only():
+    seeds = {autotune.batch_seed(7, e, p) for e in range(3) for p in range(100)}
+    assert len(seeds) == 300 and all(0 <= s < 2**63 for s in seeds)
+    assert autotune.batch_seed(7, 0, 5) == autotune.batch_seed(7, 0, 5)
+
+
+# -- with real workers -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def four_cores(monkeypatch):
+    """num_workers="auto" may start four workers, whatever this machine has."""
+    monkeypatch.delenv("FASTMM_NUM_WORKERS", raising=False)
+    monkeypatch.delenv("FASTMM_CPU_BUDGET", raising=False)
+    monkeypatch.setattr(autotune, "usable_cores", lambda: 2)
+
+
+def _scripted(monkeypatch, script: list[tuple[int, int]]):
+    """The tuner decides at every batch, as ``script`` says: (num_workers, prefetch_factor)
+    at each tick, then nothing."""
+    monkeypatch.setattr(autotune, "PERIOD_S", 0.0)
+    steps = iter(script)
+
+    def decide(self, at, wait, cpu, idle, idle_workers):
+        workers, prefetch = next(steps, (self.workers, self.prefetch))
+        changes = []
+        if workers != self.workers:
+            changes.append(self._set_workers(at, workers, "scripted"))
+        if prefetch != self.prefetch:
+            changes.append(self._set_prefetch(at, prefetch, "scripted"))
+        self._settling = False
+        return changes
+
+    monkeypatch.setattr(Tuner, "_decide", decide)
+
+
+def _auto_loader(dataset_size=60, **kw):
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": "auto"} | kw
+    return fastmm.DataLoader(Augmented(dataset_size), generator=torch.Generator().manual_seed(5),
+                             **kw)
+
+
+def _epochs(loader, epochs=2) -> list[list]:
+    return [[b.tolist() for b in loader] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_auto_gives_each_sample_once_in_the_samplers_order(four_cores, monkeypatch, in_order):
+    _scripted(monkeypatch, [(4, 2), (1, 3), (3, 8), (2, 2)])
+    loader = _auto_loader(in_order=in_order)
+    ours = [row[0] for b in _epochs(loader, 1)[0] for row in b]
+    order = [i for b in torch.utils.data.DataLoader(
+        Augmented(60), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))
+        for i in b[:, 0].tolist()]
+    assert (ours if in_order else sorted(ours)) == (order if in_order else list(range(60)))
+
+
+def test_the_batches_and_draws_do_not_depend_on_what_the_tuner_does(four_cores, monkeypatch):
+    _scripted(monkeypatch, [])
+    steady = _epochs(_auto_loader(persistent_workers=True), 2)
+    _scripted(monkeypatch, [(1, 2), (4, 5), (4, 5), (2, 3), (3, 2), (1, 8)])
+    moved = _epochs(_auto_loader(persistent_workers=True), 2)
+    assert moved == steady
+    assert steady[0] != steady[1]  # each epoch its own draws, with the same workers
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_auto_resumes_mid_epoch_at_another_count(four_cores, monkeypatch, persistent):
+    _scripted(monkeypatch, [(2, 2), (4, 3)])
+    full = [b for e in _epochs(_auto_loader(persistent_workers=persistent), 2) for b in e]
+    for stop in (1, 7, 20, 25):
+        _scripted(monkeypatch, [(3, 2)])
+        loader = _auto_loader(persistent_workers=persistent)
+        head = []
+        while len(head) < stop:
+            for b in loader:
+                head.append(b.tolist())
+                if len(head) == stop:
+                    break
+        state = json.loads(json.dumps(loader.state_dict()))
+        monkeypatch.setattr(autotune, "usable_cores", lambda: 1.5)  # another machine
+        _scripted(monkeypatch, [(1, 2), (3, 4)])
+        again = _auto_loader(persistent_workers=persistent)
+        assert again.num_workers == 3
+        again.load_state_dict(state)
+        tail = []
+        while len(head) + len(tail) < len(full):
+            tail += [b.tolist() for b in again]
+        assert head + tail == full, f"stopped at {stop}"
+        monkeypatch.setattr(autotune, "usable_cores", lambda: 2)
+
+
+def test_each_change_is_in_the_telemetry_and_the_settings_are_said(four_cores, monkeypatch,
+                                                                  capsys):
+    _scripted(monkeypatch, [(3, 2), (3, 4)])
+    tm = Telemetry(trace=True)
+    batches = list(tm.watch(_auto_loader()))
+    assert len(batches) == 20
+    tuned = tm.summary()["tuned"]
+    assert (tuned["num_workers"], tuned["prefetch_factor"]) == (3, 4)
+    assert [(c["setting"], c["old"], c["new"], c["why"]) for c in tuned["changes"]] == [
+        ("num_workers", 2, 3, "scripted"), ("prefetch_factor", 2, 4, "scripted")]
+    assert "num_workers 2 -> 3" in tm.table()
+    assert any(name == "prefetch_factor 2 -> 4" for name, _, _ in tm._loop_events)
+    said = capsys.readouterr().err
+    assert "'auto' settled at num_workers=3, prefetch_factor=4" in said
+    assert "DataLoader(..., num_workers=3, prefetch_factor=4)" in said
+
+
+def test_a_killed_worker_is_replaced_with_nothing_changed(four_cores, monkeypatch):
+    """on_worker_failure="respawn": the replacement gets its predecessor's batches again,
+    with their own seeds, so the batches and draws are those of the run without deaths."""
+    def run(kills: set[int]) -> list:
+        _scripted(monkeypatch, [(2, 2), (3, 3), (4, 2)])
+        it = iter(_auto_loader(dataset_size=200, on_worker_failure="respawn"))
+        out, picker = [], random.Random(1)
+        for n, batch in enumerate(it):
+            out.append(batch.tolist())
+            if n in kills:
+                started = [w for w in it._workers if w is not None]
+                os.kill(started[picker.randrange(len(started))].pid, signal.SIGKILL)
+        assert it.fastmm_worker_replacements >= (len(kills) + 1) // 2
+        return out
+
+    assert run({3, 9, 20, 41}) == run(set())
