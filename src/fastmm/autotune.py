@@ -3,11 +3,11 @@ that sets its own worker count and prefetch depth while it runs, from what it me
 period: the share of the time the loop waited for batches, the CPU its workers used, the cores
 the machine left idle (docs/loader.md, "A loader that tunes itself").
 
-The loader may start up to ``most`` workers (``most_workers``); it starts the first ``workers`` of
-them and hands them batches, and starts more when the tuner calls for them. Those it stops handing
-batches to wait idle, using no CPU. With "auto", each batch's random draws are seeded from the epoch's base seed
-and the batch's place in the epoch (``batch_seed``), not from the worker that makes it: a change
-of count changes no draw, and a state resumes at any count.
+The loader may start up to ``most`` workers (``most_workers``); it starts the first ``workers``
+of them and hands them batches, and starts more when the tuner calls for them. Those it stops
+handing batches to wait idle, using no CPU. With "auto", each batch's random draws are seeded
+from the epoch's base seed and the batch's place in the epoch (``batch_seed``), not from the
+worker that makes it: a change of count changes no draw, and a state resumes at any count.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from typing import Callable, NamedTuple
 
 from .config import ConfigError
+from .doctor import usable_cores
 
 log = logging.getLogger("fastmm")
 
@@ -45,13 +46,6 @@ class AutoSettings:
     prefetch: bool
     cpu_budget: float | None
     most: int
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def most_workers(cpu_budget: float | None, cores: int | None = None,
@@ -107,7 +101,8 @@ def _from_env() -> tuple[object, object]:
     return workers, value
 
 
-def settings(num_workers, prefetch_factor, cpu_budget) -> tuple[object, object, AutoSettings | None]:
+def settings(num_workers, prefetch_factor,
+             cpu_budget) -> tuple[object, object, AutoSettings | None]:
     """The loader's arguments with the environment applied (FASTMM_NUM_WORKERS overrides
     ``num_workers``; FASTMM_CPU_BUDGET gives ``cpu_budget`` where it was not), "auto" replaced:
     torch's ``num_workers`` and ``prefetch_factor`` (the cap, and the depth to start at), and

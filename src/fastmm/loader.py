@@ -321,10 +321,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                              functools.partial(_torch.BaseDataLoaderIter.__init__, self))
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
-        for name, value in (("num_workers", self._num_workers),
-                            ("prefetch_factor", self._prefetch_factor)):
-            if value <= 0:  # (torch's own words)
-                raise AssertionError(f"{name} must be greater than 0 for MultiProcessingDataLoaderIter")
+        _above_zero(num_workers=self._num_workers, prefetch_factor=self._prefetch_factor)
         self._table = TaskTable(self._num_workers, self._prefetch_factor, self._in_order)
         self._transport = loader.transport or TransportConfig.from_env()
         self._share = _dataset_share(loader, self._dataset, self._transport)
@@ -520,6 +517,14 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
         # then terminate them (they hold nothing anyone still reads).
         if hasattr(self, "_slab_pool") and self._owner_pid == os.getpid():
             self._shutdown_workers(join_s=0.2)
+
+
+def _above_zero(**values) -> None:
+    """torch's multi-process iterator's own checks, in its words."""
+    for name, value in values.items():
+        if value <= 0:
+            raise AssertionError(
+                f"{name} must be greater than 0 for MultiProcessingDataLoaderIter")
 
 
 def _dataset_share(loader: DataLoader, dataset, transport: TransportConfig) -> DatasetShare | None:
