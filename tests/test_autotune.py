@@ -36,11 +36,13 @@ class Machine:
         return Reading(self.cpu, self.idle)
 
     def period(self, tuner: Tuner, wait: float, cpu: float, idle: float,
-               done: float = 0.0) -> list[Change]:
-        """One period in which the loop waited ``wait`` of the time (while ``done`` of the
-        workers had finished their batches), the workers used ``cpu`` cores and ``idle``
-        cores were idle: the changes it brought."""
+               done: float = 0.0, batches: int = 1) -> list[Change]:
+        """One period in which the loop got ``batches`` and waited ``wait`` of the time
+        (while ``done`` of the workers had finished their batches), the workers used ``cpu``
+        cores and ``idle`` cores were idle: the changes it brought."""
         tuner.waited(wait, done)
+        for _ in range(batches - 1):
+            assert tuner.tick() == []  # (within the period)
         self.t += 1.0
         self.cpu += cpu
         self.idle += idle
@@ -80,6 +82,30 @@ def test_no_more_workers_without_an_idle_core_but_a_deeper_prefetch_if_they_idle
     m2 = Machine()
     t_fixed = _tuner(m2, auto_prefetch=False)
     assert m2.period(t_fixed, wait=0.3, cpu=1.0, idle=0.1, done=0.5) == []
+
+
+def test_with_no_core_idle_one_more_worker_is_tried_and_kept_only_if_it_pays():
+    m = Machine()
+    t = _tuner(m, workers=2, auto_prefetch=False)
+    assert m.period(t, 0.3, 1.9, 0.1, batches=20) == []  # waits; no core idle
+    assert _moves(m.period(t, 0.3, 1.9, 0.1, batches=20)) == [("num_workers", 2, 3)]
+    assert "3 tried" in t.changes[-1].why
+    m.period(t, 0.3, 1.9, 0.1, batches=20)  # settling
+    for batches in (20, 21, 20):  # no gain: back to 2
+        changes = m.period(t, 0.3, 1.95, 0.05, batches=batches)
+    assert _moves(changes) == [("num_workers", 3, 2)] and "made 20.0" in changes[0].why
+    m.period(t, 0.3, 1.9, 0.1, batches=20)
+    for _ in range(20):  # not tried again for a minute
+        assert m.period(t, 0.3, 1.9, 0.1, batches=20) == []
+    m2 = Machine()
+    t2 = _tuner(m2, workers=2, auto_prefetch=False)
+    for _ in range(2):
+        m2.period(t2, 0.3, 1.9, 0.1, batches=20)
+    assert t2.workers == 3
+    m2.period(t2, 0.3, 1.9, 0.1, batches=22)  # settling
+    for _ in range(3):
+        assert m2.period(t2, 0.25, 1.95, 0.05, batches=22) == []  # 10% more: kept
+    assert t2.workers == 3
 
 
 def test_over_the_cpu_budget_workers_are_cut_at_once():
@@ -196,7 +222,7 @@ def _scripted(monkeypatch, script: list[tuple[int, int]]):
     monkeypatch.setattr(autotune, "PERIOD_S", 0.0)
     steps = iter(script)
 
-    def decide(self, at, wait, cpu, idle, idle_workers):
+    def decide(self, at, wait, cpu, idle, idle_workers, rate):
         workers, prefetch = next(steps, (self.workers, self.prefetch))
         changes = []
         if workers != self.workers:

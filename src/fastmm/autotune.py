@@ -32,6 +32,9 @@ WAITING = 0.05  # the loop waited this share of a period or more: it wants more 
 NOT_WAITING = 0.01  # it waited less: maybe fewer do
 IDLE_WORKERS = 0.25  # while it waited, this share of the workers had nothing left to do
 CALM_PERIODS = 3  # periods without waiting before a worker is taken away
+TRIAL_PERIODS = 3  # a trial of one more worker (no core idle) runs this many periods
+TRIAL_GAIN = 0.03  # and is kept where it made this much more batches a second
+RETRY_S = 60.0  # a count whose trial made nothing more is not tried again for this long
 FIRST_PREFETCH = 2  # torch's default
 MOST_PREFETCH = 8
 WORKER_MEMORY = 256 * 2**20  # available memory a worker is counted to need, for the cap
@@ -154,6 +157,14 @@ class Change(NamedTuple):
     why: str
 
 
+class Trial(NamedTuple):
+    """One more worker tried while no core was idle: kept where it makes the loop faster."""
+
+    back_to: int  # the count before it
+    before: float  # batches a second then (the median of the last periods)
+    rates: list  # batches a second in each period of the trial
+
+
 class Reading(NamedTuple):
     """Counters read at one moment (cumulative seconds): the workers' CPU time, summed, and
     the machine's idle CPU time, summed over its cores."""
@@ -186,7 +197,8 @@ class Tuner:
     prefetch (``workers``, ``prefetch``), from the loop's waiting (``waited``) and ``read()``.
 
     More workers while the loop waits for data and cores are idle (twice as many while it
-    waits most of the time); fewer once it has not waited for ``CALM_PERIODS`` periods and
+    waits most of the time); while it waits and no core is idle, one more on trial, kept only
+    if the loop gets ``TRIAL_GAIN`` more batches a second; fewer once it has not waited for ``CALM_PERIODS`` periods and
     one fewer carries the load (their CPU fits in one fewer), never below a count at which it
     waited after such a cut; fewer at once when the workers used more than ``cpu_budget``; a
     deeper prefetch while the loop waits though a quarter of the workers or more had finished
@@ -217,6 +229,9 @@ class Tuner:
         self._cut_to = None  # the count the last cut (the loop not waiting) went down to
         self._floor = 1  # no cut below this count (one made the loop wait)
         self._settling = False  # the period after a change: the pipeline refills, not judged
+        self._rates: list[float] = []  # batches a second in the periods since the last change
+        self._trial: Trial | None = None
+        self._tried: dict[int, float] = {}  # count -> when its trial made nothing more
         self.epoch_changes = 0
         self._said = False
         self._read = self._room = None
@@ -240,6 +255,7 @@ class Tuner:
     def _begin_period(self) -> None:
         self._period_start, self._last = self._clock(), self._read()
         self._waited = self._waited_idle = 0.0
+        self._batches = 0
 
     def waited(self, seconds: float, idle_share: float = 0.0) -> None:
         """The loop waited ``seconds`` for a batch while ``idle_share`` of the workers owed
@@ -248,8 +264,9 @@ class Tuner:
         self._waited_idle += seconds * idle_share
 
     def tick(self) -> list[Change]:
-        """Once a period has passed, the changes it calls for (applied to ``workers`` and
-        ``prefetch`` already), else []."""
+        """A batch was handed out. Once a period has passed, the changes it calls for
+        (applied to ``workers`` and ``prefetch`` already), else []."""
+        self._batches += 1
         now = self._clock()
         elapsed = now - self._period_start
         if elapsed < PERIOD_S:
@@ -259,18 +276,23 @@ class Tuner:
         idle_workers = self._waited_idle / self._waited if self._waited else 0.0
         cpu = max(0.0, reading.workers_cpu_s - self._last.workers_cpu_s) / elapsed
         idle = max(0.0, reading.idle_cpu_s - self._last.idle_cpu_s) / elapsed
+        rate = self._batches / elapsed
         self._begin_period()
         if self._settling:
             self._settling = False
             return []
-        changes = self._decide(now - self._start, wait, cpu, idle, idle_workers)
+        if self._trial is None:
+            self._rates.append(rate)
+        changes = self._decide(now - self._start, wait, cpu, idle, idle_workers, rate)
         self._settling = bool(changes)
+        if changes:
+            self._rates = []
         self.changes.extend(changes)
         self.epoch_changes += len(changes)
         return changes
 
     def _decide(self, at: float, wait: float, cpu: float, idle: float,
-                idle_workers: float) -> list[Change]:
+                idle_workers: float, rate: float) -> list[Change]:
         """The changes one period calls for.
 
         Args:
@@ -280,6 +302,7 @@ class Tuner:
             idle: the cores the machine left idle.
             idle_workers: while the loop waited, the share of the workers with nothing left
                 to do.
+            rate: batches handed out a second.
         """
         s, n = self.settings, self.workers
         per_worker = cpu / n if n else 0.0
@@ -287,8 +310,11 @@ class Tuner:
         said = f"the loop waited {wait:.0%} of the last period; the workers used {cpu:.2f} cores"
         if s.workers and budget is not None and cpu > budget and n > 1:
             over = math.ceil((cpu - budget) / max(per_worker, 1e-9))
+            self._trial = None
             return [self._set_workers(at, max(1, n - max(1, over)),
                                       f"{said}, over the budget of {budget:.2f}")]
+        if self._trial is not None:
+            return self._judge_trial(at, rate)
         if wait >= WAITING:
             self._calm = 0
             if self._cut_to == n:
@@ -302,11 +328,18 @@ class Tuner:
                 why = self._room(new, self.prefetch)
                 if why is None:
                     return [self._set_workers(at, new, f"{said}; {idle:.2f} cores idle")]
-            if s.prefetch and self.prefetch < MOST_PREFETCH and idle_workers >= IDLE_WORKERS:
-                if self._room(n, self.prefetch + 1) is None:
+            if idle_workers >= IDLE_WORKERS:  # more depth, not more workers, for these
+                if (s.prefetch and self.prefetch < MOST_PREFETCH
+                        and self._room(n, self.prefetch + 1) is None):
                     return [self._set_prefetch(
                         at, self.prefetch + 1, f"{said}; {idle_workers:.0%} of them had "
                         "finished their batches meanwhile (batch times vary)")]
+            elif (s.workers and n < s.most and fits and idle < 0.5 and len(self._rates) >= 2
+                  and at - self._tried.get(n + 1, -math.inf) >= RETRY_S
+                  and self._room(n + 1, self.prefetch) is None):
+                self._trial = Trial(n, sorted(self._rates[-3:])[len(self._rates[-3:]) // 2], [])
+                return [self._set_workers(at, n + 1, f"{said}; no core idle: {n + 1} tried, kept "
+                                          f"if the loop gets {TRIAL_GAIN:.0%} more batches")]
             return []
         if wait < NOT_WAITING:
             self._calm += 1
@@ -322,6 +355,23 @@ class Tuner:
                 return [self._set_prefetch(at, self.prefetch - 1,
                                            "the loop did not wait for 10 periods")]
         return []
+
+    def _judge_trial(self, at: float, rate: float) -> list[Change]:
+        """One period of a trial: at its end, back to the count before it, unless it made
+        ``TRIAL_GAIN`` more batches a second."""
+        trial = self._trial
+        trial.rates.append(rate)
+        if len(trial.rates) < TRIAL_PERIODS:
+            return []
+        self._trial = None
+        got = sorted(trial.rates)[len(trial.rates) // 2]
+        if got >= trial.before * (1 + TRIAL_GAIN):
+            self._rates = list(trial.rates)
+            return []
+        self._tried[self.workers] = at
+        return [self._set_workers(at, trial.back_to, f"{self.workers} workers made {got:.1f} "
+                                  f"batches a second against {trial.before:.1f} with "
+                                  f"{trial.back_to}")]
 
     def _set_workers(self, at: float, new: int, why: str) -> Change:
         change = Change(round(at, 3), "num_workers", self.workers, new, why)
