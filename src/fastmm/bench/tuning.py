@@ -12,10 +12,10 @@ auto's rate over a ``--seconds`` window first reached 95% of it.
 Workloads: ``decode`` (PIL + v2 crop and flip over the generated JPEG corpus, batch 32, the
 loop reading every byte), ``transport`` (a fresh clone of a 16x3x224x224 uint8 clip per sample,
 batch 32), and a pipeline of your own with ``--dataset MODULE:CALLABLE`` (and ``--step``).
-``--cpu-budget F --step-ms M`` puts a CPU-bound step (a pure-Python loop of M ms, holding the
-GIL) after each batch: the step alone is timed first, then auto within the budget, and the fixed
-settings whose workers used at most the budget are the ones auto is judged against; the
-workers' CPU is read once a second.
+``--cpu-budget F --step-ms M`` puts a CPU-bound step after each batch (a pure-Python loop,
+holding the GIL, of as many turns as take M ms alone): the step alone is timed first, then auto
+within the budget, and the fixed settings whose workers used at most the budget in every second
+are the ones auto is judged against; the workers' CPU is read once a second.
 Run: ``python -m fastmm.bench.tuning --out DIR`` (``--quick``: 1 round, 1 s windows).
 """
 
@@ -42,13 +42,24 @@ STEP_GROWTH_BAR = 1.10  # with a budget: the step's own time at most this much o
 
 
 def busy_step(ms: float):
-    """A training step's CPU work: a pure-Python loop of about ``ms`` milliseconds (it holds
-    the GIL, as a Python-heavy step does)."""
+    """A training step's CPU work: a pure-Python loop (it holds the GIL, as a Python-heavy step
+    does) of as many turns as take about ``ms`` milliseconds on this machine alone, so that
+    cores taken by the loader show as a longer step."""
+    probe = 200_000
+    began = time.perf_counter()
+    _turns(probe)
+    turns = max(1, int(probe * ms / 1e3 / (time.perf_counter() - began)))
+
     def step(batch) -> None:
-        end = time.perf_counter() + ms / 1e3
-        while time.perf_counter() < end:
-            pass
+        _turns(turns)
     return step
+
+
+def _turns(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
 
 
 def _workload(name: str, args):
