@@ -13,9 +13,10 @@ Workloads: ``decode`` (PIL + v2 crop and flip over the generated JPEG corpus, ba
 loop reading every byte), ``transport`` (a fresh clone of a 16x3x224x224 uint8 clip per sample,
 batch 32), and a pipeline of your own with ``--dataset MODULE:CALLABLE`` (and ``--step``).
 ``--cpu-budget F --step-ms M`` puts a CPU-bound step after each batch (a pure-Python loop,
-holding the GIL, of as many turns as take M ms alone): the step alone is timed first, then auto
-within the budget, and the fixed settings whose workers used at most the budget in every second
-are the ones auto is judged against; the workers' CPU is read once a second.
+holding the GIL, of as many turns as take M ms alone, counted once): the step is timed alone
+just before auto runs within the budget, and the fixed settings whose workers used at most
+the budget in every second are the ones auto is judged against; the workers' CPU is read once
+a second.
 Run: ``python -m fastmm.bench.tuning --out DIR`` (``--quick``: 1 round, 1 s windows).
 """
 
@@ -184,24 +185,29 @@ def sweep(args) -> list[tuple[int, int]]:
     return list(itertools.product(workers, args.prefetch_factors))
 
 
-def round_of(name: str, args, r: int) -> dict:
+def step_alone(step, batch_size: int, seconds: float = 1.0) -> float:
+    """The step's median time with no loader running."""
+    batch, times, began = torch.zeros(batch_size), [], time.perf_counter()
+    while time.perf_counter() - began < seconds or len(times) < 5:
+        t = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def round_of(name: str, args, r: int, step_for_budget=None) -> dict:
+    """One round of a workload: every setting of the sweep and auto, in the round's order.
+    With a budget, the step (calibrated once for every round) is also timed alone just
+    before auto runs."""
     dataset, batch_size, step = _workload(name, args)
-    budget = args.cpu_budget
+    budget, alone = args.cpu_budget, None
     if budget is not None:
-        step = busy_step(args.step_ms)
-    alone = None
-    if step is not None and budget is not None:  # the step alone, for its growth
-        batch = torch.zeros(batch_size)
-        times = []
-        for _ in range(max(20, int(1.0 / (args.step_ms / 1e3)))):
-            t = time.perf_counter()
-            step(batch)
-            times.append(time.perf_counter() - t)
-        alone = sorted(times)[len(times) // 2]
+        step = step_for_budget
     fixed, auto = {}, None
     with OtherCores() as others:
         for setting in rotated([*sweep(args), "auto"], r):
             if setting == "auto":
+                alone = step_alone(step, batch_size) if budget is not None else None
                 auto = run(dataset, batch_size, step, "auto", None, args.seconds,
                            auto_seconds=args.auto_seconds, cpu_budget=budget)
                 last = judge_auto(auto, 1.0, args.seconds)["rate"] or 0.0
@@ -307,7 +313,8 @@ def main(argv=None) -> int:
                                    "images": 64})
     if "dataset" in args.workloads and not args.dataset:
         p.error("the 'dataset' workload needs --dataset MODULE:CALLABLE")
-    per = {name: [round_of(name, args, r) for r in range(args.rounds)]
+    step = busy_step(args.step_ms) if args.cpu_budget is not None else None
+    per = {name: [round_of(name, args, r, step) for r in range(args.rounds)]
            for name in args.workloads}
     summaries = [summary_of(name, rounds, args) for name, rounds in per.items()]
     result = {"environment": env.capture(env.module_argv(__spec__, __name__)),
