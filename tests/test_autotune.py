@@ -324,3 +324,12 @@ def test_a_killed_worker_is_replaced_with_nothing_changed(four_cores, monkeypatc
         return out
 
     assert run({3, 9, 20, 41}) == run(set())
+
+
+def test_num_workers_set_again_after_the_loader_was_made_is_the_cap(four_cores, monkeypatch):
+    _scripted(monkeypatch, [])
+    loader = _auto_loader()
+    loader.num_workers = 1
+    it = iter(loader)
+    assert len([b for b in it]) == 20
+    assert it._tuning.tuner.workers == it._tuning.tuner.settings.most == 1

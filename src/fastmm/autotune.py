@@ -418,7 +418,9 @@ class Tuning:
 
     def __init__(self, loader, iterable: bool, receiver):
         table, workers = receiver.table, receiver.workers
-        settings = loader.autotune
+        # (num_workers set again after the loader was made: no more than it says)
+        settings = dataclasses.replace(loader.autotune,
+                                       most=min(loader.autotune.most, table.num_workers))
         if iterable:
             settings = dataclasses.replace(settings, workers=False)
         tuner = loader._tuner
