@@ -222,7 +222,6 @@ class Receiver:
             if finding:  # not now: a warning made an error (-W error) would lose this batch
                 self.unsaid.append(finding)
 
-
     def room(self, workers: int, prefetch_factor: int) -> str | None:
         """Why the slab pool of ``workers`` prefetching ``prefetch_factor`` batches each would
         not fit in shared memory (the tuner asks before it goes there), or None."""

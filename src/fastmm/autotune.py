@@ -67,12 +67,19 @@ def most_workers(cpu_budget: float | None, cores: int | None = None,
     return max(1, min(by_cpu, available // WORKER_MEMORY))
 
 
+FRACTION = "a fraction of the machine's cores above 0 and at most 1 (0.5: half of them)"
+
+
+def _fraction(value) -> bool:
+    """Whether ``value`` is a CPU budget: a number above 0 and at most 1."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1
+
+
 def _budget(value, name: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name} should be a fraction of the machine's cores above 0 and at "
-                         f"most 1 (0.5: half of them), but got {name}={value!r}")
+    if not _fraction(value):
+        raise ValueError(f"{name} should be {FRACTION}, but got {name}={value!r}")
     return float(value)
 
 
@@ -98,9 +105,8 @@ def _from_env() -> tuple[object, object]:
         value = float(budget)
     except ValueError:
         value = None
-    if value is None or not 0 < value <= 1:
-        raise ConfigError(f"FASTMM_CPU_BUDGET={budget!r}: use a fraction of the machine's cores "
-                          "above 0 and at most 1 (0.5: half of them)")
+    if not _fraction(value):
+        raise ConfigError(f"FASTMM_CPU_BUDGET={budget!r}: use {FRACTION}")
     return workers, value
 
 
@@ -198,12 +204,12 @@ class Tuner:
 
     More workers while the loop waits for data and cores are idle (twice as many while it
     waits most of the time); while it waits and no core is idle, one more on trial, kept only
-    if the loop gets ``TRIAL_GAIN`` more batches a second; fewer once it has not waited for ``CALM_PERIODS`` periods and
-    one fewer carries the load (their CPU fits in one fewer), never below a count at which it
-    waited after such a cut; fewer at once when the workers used more than ``cpu_budget``; a
-    deeper prefetch while the loop waits though a quarter of the workers or more had finished
-    their batches (batch times vary: a slow one holds the line), one less after ten periods
-    without waiting.
+    if the loop gets ``TRIAL_GAIN`` more batches a second; fewer once it has not waited for
+    ``CALM_PERIODS`` periods and one fewer carries the load (their CPU fits in one fewer),
+    never below a count at which it waited after such a cut; fewer at once when the workers
+    used more than ``cpu_budget``; a deeper prefetch while the loop waits though a quarter of
+    the workers or more had finished their batches (batch times vary: a slow one holds the
+    line), one less after ten periods without waiting.
 
     Args:
         settings: what "auto" was asked for.

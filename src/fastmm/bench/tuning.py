@@ -28,11 +28,11 @@ import os
 import sys
 import time
 
-import psutil
 import torch
 
 import fastmm
 
+from ..autotune import read_processes
 from . import env, options, stats
 from .harness import OtherCores, rotated, wait_for_children
 from .report import busy_notes, save_study
@@ -94,13 +94,8 @@ class Workers:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < 1.0:
             return
-        total = 0.0
-        for w in getattr(it, "_workers", None) or []:
-            try:
-                t = psutil.Process(w.pid).cpu_times() if w is not None else None
-            except psutil.Error:
-                t = None
-            total += 0.0 if t is None else t.user + t.system
+        total = read_processes(lambda: [w.pid for w in getattr(it, "_workers", None) or []
+                                        if w is not None])().workers_cpu_s
         if self._last is not None:
             self.peak = max(self.peak, (total - self._last[1]) / (now - self._last[0]))
         self._last = (now, total)

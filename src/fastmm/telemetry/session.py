@@ -128,7 +128,8 @@ class Telemetry:
 
     def _workers(self) -> list[int]:
         workers = getattr(self._iterator, "_workers", None) or []
-        return [w.pid for w in workers if w is not None and w.pid is not None]  # ("auto": unstarted)
+        # (None: a slot num_workers="auto" has not started)
+        return [w.pid for w in workers if w is not None and w.pid is not None]
 
     def _start_sampler(self) -> None:
         if self._sampler is None:
