@@ -230,3 +230,59 @@ def test_the_baseline_profile_names_copy_on_read_when_its_workers_grew():
         assert bool(named) is said
         if said:
             assert f"grew by up to {grown / 2**20:,.0f} MiB" in named[0]
+
+
+@pytest.mark.slow
+def test_the_auto_arm_runs_a_sweep_around_yours_and_judges_auto_against_its_best(tmp_path):
+    """--arms auto: num_workers="auto" against the best fixed setting of a sweep that holds
+    the user's own, paired per round; the answer, the table and the plots on the page."""
+    from _browser import render
+
+    proc = bench("--dataset", f"{PIPE}:shapes", "--step", f"{PIPE}:train_step", "--batch-size",
+                 "8", "--num-workers", "3", "--prefetch-factor", "3", "--quick", "--arms", "auto",
+                 "--auto-seconds", "3", out=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "results.json").read_text())
+    auto = result["auto"]
+    assert [3, 3] in auto["settings"] and [1, 2] in auto["settings"]
+    assert len(auto["rounds"]) == 3 and auto["auto_seconds"] == 3
+    keys = {f"{w},{p}" for w, p in auto["settings"]}
+    for r in auto["rounds"]:
+        assert set(r["fixed"]) == keys and r["auto"]["times"][-1] >= 3
+        assert r["auto"]["settled"]["num_workers"] >= 1
+    s = auto["summary"]
+    assert s["best"] in keys and s["same_first_batch"], s
+    assert auto["call"] in ab.CALLS and "range of 3" in auto["label"]  # no 95% CI from 3
+    said = [line for line in result["answer"] if line.startswith("num_workers='auto'")]
+    assert said and stats.interval(s["ratio"], 3, "x") in said[0]
+    dom = render(tmp_path / "index.html")
+    assert said[0] in dom["answer"]
+    assert {"auto-sweep", "auto"} <= set(dom["plots"]), dom["plots"]
+    assert all(w > 100 and h > 100 for w, h in dom["plots"].values())
+
+
+def test_auto_is_asked_for_by_name_and_its_sweep_holds_the_users_count():
+    from fastmm.bench import tuning
+
+    args = ab.build_parser().parse_args(["--dataset", "m:f", "--batch-size", "8",
+                                         "--num-workers", "2"])
+    assert "auto" not in args.arms and "fastmm" in args.arms
+    assert tuning.worker_counts(2) == [1, 2, 4]
+    assert tuning.worker_counts(16, 12) == [1, 2, 4, 8, 12, 16, 32]
+    assert tuning.worker_counts(3, 0) == [1, 2, 3, 4]
+
+
+def test_auto_is_called_only_on_what_its_rounds_show():
+    from fastmm.bench import tuning
+
+    def summary(ratios, never=0):
+        return {"ratio": stats.summarize(ratios), "never_reached": never}
+
+    assert tuning.call(summary([1.0, 0.99, 1.02]))[0] == "undecided"  # 3 rounds: no 95% CI
+    assert tuning.call(summary([0.97, 0.99, 1.0, 1.01, 0.98, 1.02]))[0] == "roll out"
+    assert tuning.call(summary([0.97, 0.99, 1.0, 1.01, 0.98, 1.02], never=1))[0] == "undecided"
+    assert tuning.call(summary([0.8, 0.85, 0.9, 0.82, 0.88, 0.86]))[0] == "roll back"
+    assert tuning.call(summary([0.8, 0.99, 1.0, 1.01, 0.98, 1.02]))[0] == "undecided"
+    assert tuning.settled_text([{"num_workers": 2, "prefetch_factor": 4}] * 2 + [
+        {"num_workers": 1, "prefetch_factor": 2}]) == ("2 workers, prefetch 4 (2 rounds); "
+                                                       "1 worker, prefetch 2 (1 round)")

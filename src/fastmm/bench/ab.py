@@ -20,7 +20,9 @@ one factor from its parent (``fastmm``: the loader; ``num_workers``, ``prefetch_
 ``pin_memory`` on the baseline; ``slab_memory=lean``, ``worker_malloc=system`` and
 ``pure_python`` (the twin in place of fastmm._C) on ``fastmm``; for a MultimodalDataset its
 ``decoder``, ``source`` and ``reduce``). With a step, torch and fastmm also run with the loop
-only reading the batches: data-pipeline throughput apart from end to end.
+only reading the batches: data-pipeline throughput apart from end to end. Asked for by name,
+``auto``: fastmm with ``num_workers="auto"`` against the best fixed setting of a sweep around
+the user's, in rounds of their own (``tuned``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import dataclasses
 import gc
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -53,12 +56,13 @@ from . import ab_page, env, harness, options, stats
 from .report import BUSY_CORES
 from .workloads import batch_len, batch_nbytes, digest, leaves, sum64
 
-QUICK = {"reps": 3, "seconds": 0.5}
-FULL = {"reps": 6, "seconds": 2.0}
+QUICK = {"reps": 3, "seconds": 0.5, "auto_seconds": 6.0}
+FULL = {"reps": 6, "seconds": 2.0, "auto_seconds": 30.0}
 SAME_SEEDS = "the same seeds give the same batches"
 MEMORY_BAR = 1.10  # roll out only while the arm holds at most this much of its parent's memory
 FACTORS = ("fastmm", "num_workers", "prefetch_factor", "pin_memory", "slab_memory",
-           "worker_malloc", "pure_python", "decoder", "source", "reduce")
+           "worker_malloc", "pure_python", "decoder", "source", "reduce", "auto")
+DEFAULT_ARMS = FACTORS[:-1]  # "auto" runs a sweep: minutes more, so asked for by name
 CALLS = ("roll out", "keep the baseline", "roll back", "undecided")
 class TargetError(Exception):
     """A --dataset/--step/--collate that cannot be used: one line, exit code 2."""
@@ -652,9 +656,35 @@ def _measure(args, dataset, step, collate_fn, log, pipeline, stage_dir, started)
             "window": {"warmup_batches": run.warmup, "timed_batches": run.timed,
                        "reps": args.reps, "seconds": args.seconds},
             "deterministic": deterministic,
+            "auto": tuned(args, dataset, step, collate_fn, log, deterministic)
+            if "auto" in args.arms else None,
             "baseline_profile": reps["torch"][0]["telemetry"],
             "bottleneck": bottleneck(reps["torch"][0]["telemetry"], reps["torch"]),
             "measure_s": time.perf_counter() - started}
+
+
+def tuned(args, dataset, step, collate_fn, log, deterministic: bool) -> dict:
+    """The auto arm: fastmm's loader with num_workers="auto" against the best fixed
+    ``(num_workers, prefetch_factor)`` of a sweep around the user's (bench.tuning), in rounds
+    of their own after the other arms', the settings in a new order each round."""
+    from . import tuning
+
+    pipe = tuning.Pipeline(dataset, args.batch_size, step, collate_fn, args.pin_memory,
+                           args.seed)
+    settings = list(itertools.product(
+        tuning.worker_counts(env.usable_cores(), args.num_workers),
+        sorted({2, 4, args.prefetch_factor})))
+    log(f"auto: {args.reps} rounds of num_workers='auto' ({args.auto_seconds:g} s) and "
+        f"{len(settings)} fixed settings (windows of {args.seconds:g} s)")
+    rounds = [tuning.round_of(pipe, settings, r, args.seconds, args.auto_seconds,
+                              say=lambda text: log(f"[auto] {text}"))
+              for r in range(args.reps)]
+    summary = tuning.summary_of(rounds, args.seconds)
+    call, label = tuning.call(summary)
+    if deterministic and not summary["same_first_batch"]:
+        call, label = "roll back", label + "; but its first batch differed from round to round"
+    return {"settings": settings, "seconds": args.seconds, "auto_seconds": args.auto_seconds,
+            "rounds": rounds, "summary": summary, "call": call, "label": label}
 
 
 def _slug(name: str) -> str:
@@ -688,8 +718,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK['reps']} rounds of {QUICK['seconds']} s windows (no "
                         "95%% CI: the range of 3)")
-    p.add_argument("--arms", type=options.listed(str, FACTORS), default=",".join(FACTORS),
-                   help=f"which one-change arms to run (default all of {','.join(FACTORS)})")
+    p.add_argument("--arms", type=options.listed(str, FACTORS), default=",".join(DEFAULT_ARMS),
+                   help=f"which arms to run, of {','.join(FACTORS)} (default all but auto: "
+                        "num_workers='auto' against a sweep of fixed settings, a few minutes "
+                        "more)")
+    p.add_argument("--auto-seconds", type=options.number(0),
+                   help=f"how long the auto arm's loader runs from its constructor (default "
+                        f"{FULL['auto_seconds']:g}; --quick {QUICK['auto_seconds']:g})")
     p.add_argument("--try-num-workers", type=options.whole(0),
                    help="the num_workers arm's count (default: twice yours within the cores, "
                         "else half)")

@@ -96,17 +96,43 @@ def answer(result: dict) -> list[str]:
               for name, a in arms.items() if a.get("parent") and a["factor"] != "fastmm"]
     if others:
         lines.append("One change at a time: " + "; ".join(others) + ".")
+    if result.get("auto"):
+        lines.append(auto_answer(result["auto"]))
     return lines
+
+
+def _setting(key: str | None) -> str:
+    """"2,4" as the loader's arguments."""
+    if key is None:
+        return "none"
+    workers, prefetch = key.split(",")
+    return f"num_workers={workers}, prefetch_factor={prefetch}"
+
+
+def auto_answer(auto: dict) -> str:
+    s = auto["summary"]
+    return (f"num_workers='auto' (fastmm): {stats.interval(s['ratio'], 3, 'x')} the rate of the "
+            f"best fixed setting of a sweep of {len(auto['settings'])} ({_setting(s['best'])}: "
+            f"{stats.interval(s['best_rate'], 1)} batches/s) over its last "
+            f"{auto['seconds']:g} s, 95% of it reached at "
+            f"{stats.interval(s['reached_s'], 1, ' s')} ({s['never_reached']} of "
+            f"{len(auto['rounds'])} rounds never within {auto['auto_seconds']:g} s); settled at "
+            f"{s['settled_text']}. Call: {auto['call']} ({auto['label']}).")
 
 
 def busy(result: dict) -> list[str]:
     """Timed runs during which other processes used the CPU, next to the figures they touch."""
-    arms = result["arms"]
+    arms, bar = result["arms"], result["method"]["busy_cores"]
     counts = {n: a["busy_reps"] for n, a in arms.items() if a["busy_reps"]}
+    rounds = (result.get("auto") or {}).get("rounds", [])
+    busy_rounds = sum(1 for r in rounds if (r["other_processes_cpu_cores"] or 0) > bar)
+    if busy_rounds:
+        counts["auto's rounds"] = busy_rounds
     if not counts:
         return []
-    runs = sum(len(a["reps"]) for a in arms.values())
-    worst = max((r["other_processes_cpu_cores"] or 0) for a in arms.values() for r in a["reps"])
+    runs = sum(len(a["reps"]) for a in arms.values()) + len(rounds)
+    worst = max((r["other_processes_cpu_cores"] or 0)
+                for r in [*rounds, *(r for a in arms.values() for r in a["reps"])])
     return [f"{sum(counts.values())} of {runs} timed runs ran while other processes used more "
             f"than {result['method']['busy_cores']} cores (up to {worst:.2f}): "
             + ", ".join(f"{n} ({k})" for n, k in counts.items())
@@ -145,10 +171,12 @@ def _series(out: str, entry: dict) -> tuple[list[float], list[float]]:
 
 def figures(result: dict, out: str) -> list[tuple]:
     """(name, Figure, caption) of every plot: each arm against its parent, samples/s per arm,
-    torch's and fastmm's queue waits and step times, and their memory over time."""
+    torch's and fastmm's queue waits and step times, their memory over time; then the auto
+    arm's."""
     from . import plots
 
     arms = result["arms"]
+    auto = _auto_figures(result["auto"]) if result.get("auto") else []
     out_figures = [
         ("ratios", plots.rates([(n, a["ratio"]) for n, a in arms.items() if a.get("ratio")],
                                "samples/s, ratio to the arm it changes one thing of", ref=1.0),
@@ -158,7 +186,7 @@ def figures(result: dict, out: str) -> list[tuple]:
          "Samples per second in each arm's timed windows (end to end where the step runs)."),
     ]
     if "fastmm" not in arms:
-        return out_figures
+        return out_figures + auto
     pair = ("torch", "fastmm")
     out_figures += [
         ("queue-wait", plots.distributions({n: arms[n]["waits_s"] for n in pair},
@@ -174,11 +202,26 @@ def figures(result: dict, out: str) -> list[tuple]:
             "memory", plots.over_time(series, "host memory the loader holds, MiB", yscale=2**-20),
             "loader_host_bytes over each loader's check run: Pss_Anon of its processes over the "
             "main process's before the loader, plus shared memory over idle."))
-    return out_figures
+    return out_figures + auto
+
+
+def _auto_figures(auto: dict) -> list[tuple]:
+    """Auto's rate over time against the best fixed setting, and the sweep's rates."""
+    from . import plots, tuning
+
+    s = auto["summary"]
+    rows = [(_setting(k), v) for k, v in s["fixed_rates"].items()]
+    out = [("auto-sweep", plots.rates(rows + [("num_workers='auto' (its last window)",
+                                                s["auto_rate"])], "batches/s"),
+            f"Each fixed setting of the sweep (median over the rounds, {auto['seconds']:g} s "
+            "windows), and auto over the last window of its run.")]
+    over_time = tuning.figure(auto["rounds"], s, auto["seconds"])
+    return out + ([over_time] if over_time else [])
 
 
 def write_page(result: dict, out: str) -> str:
     from .page import Page
+    from .tuning import settled_name
 
     arms, e = result["arms"], result["environment"]
     p = Page(f"fastmm-bench: {result['pipeline']['dataset']}")
@@ -199,6 +242,19 @@ def write_page(result: dict, out: str) -> str:
               ("ok" if a["correctness"]["ok"] else "FAILED") + f": {a['correctness']['check']}",
               f"{a['call']}: {a['label']}" if a.get("call") else "-"]
              for n, a in arms.items()])
+    if result.get("auto"):
+        auto = result["auto"]
+        p.heading("num_workers='auto' against a sweep of fixed settings")
+        p.text(auto_answer(auto))
+        p.table(["round", "auto: batches/s, last window", "95% of best reached at",
+                 "settled at", "changes"],
+                [[str(i + 1), f"{r['judged'].get('rate') or 0:.1f}",
+                  "never" if r["judged"].get("reached_s") is None
+                  else f"{r['judged']['reached_s']:.1f} s",
+                  settled_name(r["auto"]["settled"]),
+                  "; ".join(f"{c['at_s']:.0f} s: {c['setting']} {c['old']} to {c['new']}"
+                            for c in r["auto"]["changes"]) or "none"]
+                 for i, r in enumerate(auto["rounds"])])
     p.heading("Baseline profile: torch's DataLoader, untouched")
     m = result["baseline_profile"]["metrics"]
     rows = []

@@ -116,6 +116,25 @@ def over_time(series: dict[str, tuple[list[float], list[float]]], ylabel: str,
     return fig
 
 
+def reaching(series: dict[str, tuple[list[float], list[float]]], best: float, reach: float,
+             ylabel: str) -> Figure:
+    """A rate over time for each series (auto's rounds) against a reference rate ``best`` and
+    ``reach`` times it: where, and how soon, each series came within reach."""
+    fig = over_time(series, ylabel)
+    ax = fig.axes[0]
+    for line in ax.get_lines():
+        line.set_linewidth(1.2)
+    ax.axhline(best, color="black", linewidth=1.5, label=f"best fixed setting: {_fmt(best)}")
+    ax.axhline(best * reach, color="black", linewidth=1, linestyle="--",
+               label=f"{reach:.0%} of it")
+    top = max([best] + [max(values) for _, values in series.values() if values])
+    ax.set_ylim(0, top * 1.1)
+    for legend in fig.legends:
+        legend.remove()
+    _legend(fig, ax, columns=min(4, len(series) + 2))
+    return fig
+
+
 def break_even(in_place_epoch_s: float, staging_s: float, staged_epoch_s: float,
                in_place_open_s: float = 0.0) -> Figure:
     """Cumulative time against epochs for reading in place (after ``in_place_open_s``, what

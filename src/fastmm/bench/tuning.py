@@ -23,10 +23,13 @@ Run: ``python -m fastmm.bench.tuning --out DIR`` (``--quick``: 1 round, 1 s wind
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -36,7 +39,7 @@ from ..autotune import read_processes
 from . import env, options, stats
 from .harness import OtherCores, rotated, wait_for_children
 from .report import busy_notes, save_study
-from .workloads import sum64
+from .workloads import digest, sum64
 
 REACH = 0.95  # auto's rate within the time it is given, at least this much of the best fixed
 STEP_GROWTH_BAR = 1.10  # with a budget: the step's own time at most this much of it alone
@@ -63,23 +66,36 @@ def _turns(n: int) -> int:
     return total
 
 
-def _workload(name: str, args):
-    """(dataset, batch size, step or None) of a named workload, or of ``--dataset``."""
+@dataclasses.dataclass
+class Pipeline:
+    """What a loader run needs of a workload: its dataset and how the loop uses each batch
+    (the step, else the loop reads every byte)."""
+
+    dataset: object
+    batch_size: int
+    step: Callable | None = None
+    collate_fn: Callable | None = None
+    pin_memory: bool = False
+    seed: int = 0  # torch.manual_seed and the loader's generator before every run
+
+
+def _workload(name: str, args) -> Pipeline:
+    """A named workload, or the pipeline of ``--dataset``."""
     if name == "decode":
         from .corpus import default_cache_dir, ensure_corpus
         from .workloads import JpegFolderDataset
 
         corpus = ensure_corpus(default_cache_dir(), args.images)
-        return JpegFolderDataset(corpus.files), 32, None
+        return Pipeline(JpegFolderDataset(corpus.files), 32)
     if name == "transport":
         from .workloads import ClipBankDataset
 
-        return ClipBankDataset((16, 3, 224, 224)), 32, None
+        return Pipeline(ClipBankDataset((16, 3, 224, 224)), 32)
     from .ab import load_target, make_dataset
 
     dataset = make_dataset(load_target(args.dataset, "--dataset"), args.dataset)
     step = load_target(args.step, "--step") if args.step else None
-    return dataset, args.batch_size, step
+    return Pipeline(dataset, args.batch_size, step)
 
 
 class Workers:
@@ -109,23 +125,28 @@ def _batches(loader):
             yield it, batch
 
 
-def run(dataset, batch_size: int, step, num_workers, prefetch_factor, seconds: float,
-        *, auto_seconds: float | None = None, cpu_budget: float | None = None) -> dict:
+def run(pipe: Pipeline, num_workers, prefetch_factor, seconds: float, *,
+        auto_seconds: float | None = None, cpu_budget: float | None = None) -> dict:
     """One loader run: batches/s over ``seconds`` after one batch per worker and a settling
     second (fixed), or every batch's time over ``auto_seconds`` from the constructor (auto);
-    the step's median time; the workers' peak CPU over a second."""
+    the step's median time; the workers' peak CPU over a second; the first batch's digest."""
+    torch.manual_seed(pipe.seed)
     made = time.perf_counter()
-    loader = fastmm.DataLoader(dataset, batch_size=batch_size,
+    loader = fastmm.DataLoader(pipe.dataset, batch_size=pipe.batch_size,
+                               collate_fn=pipe.collate_fn, pin_memory=pipe.pin_memory,
                                num_workers=num_workers, prefetch_factor=prefetch_factor,
                                cpu_budget=cpu_budget, persistent_workers=True,
-                               generator=torch.Generator().manual_seed(0))
-    workers, times, steps = Workers(), [], []
+                               generator=torch.Generator().manual_seed(pipe.seed))
+    workers, times, steps, first = Workers(), [], [], None
     counted_from, count, warm = None, 0, loader.num_workers + 1
     for it, batch in _batches(loader):
-        sum64(batch)
-        if step is not None:
+        if first is None:
+            first = digest(batch)
+        if pipe.step is None:
+            sum64(batch)
+        else:
             t = time.perf_counter()
-            step(batch)
+            pipe.step(batch)
             steps.append(time.perf_counter() - t)
         now = time.perf_counter()
         workers.read(it)
@@ -143,7 +164,7 @@ def run(dataset, batch_size: int, step, num_workers, prefetch_factor, seconds: f
     rate = count / (time.perf_counter() - counted_from) if count else None
     del it, batch, loader
     wait_for_children()
-    out = {"workers_cpu_peak": workers.peak,
+    out = {"workers_cpu_peak": workers.peak, "first_batch": list(first),
            "step_s": sorted(steps)[len(steps) // 2] if steps else None}
     if not auto_seconds:
         return out | {"rate": rate}
@@ -175,9 +196,15 @@ def judge_auto(auto: dict, best_rate: float, seconds: float) -> dict:
     return {"rate": last, "reached_s": reached, "ratio": None if last is None else last / best_rate}
 
 
-def sweep(args) -> list[tuple[int, int]]:
-    workers = args.num_workers or list(range(1, 2 * env.usable_cores() + 1))
-    return list(itertools.product(workers, args.prefetch_factors))
+def worker_counts(cores: int, *also: int) -> list[int]:
+    """The worker counts a sweep tries: powers of two up to twice the cores, the cores, and
+    ``also`` (a user's own count)."""
+    counts = {cores, *(n for n in also if n > 0)}
+    n = 1
+    while n <= 2 * cores:
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
 
 
 def step_alone(step, batch_size: int, seconds: float = 1.0) -> float:
@@ -190,28 +217,25 @@ def step_alone(step, batch_size: int, seconds: float = 1.0) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def round_of(name: str, args, r: int, step_for_budget=None) -> dict:
-    """One round of a workload: every setting of the sweep and auto, in the round's order.
-    With a budget, the step (calibrated once for every round) is also timed alone just
-    before auto runs."""
-    dataset, batch_size, step = _workload(name, args)
-    budget, alone = args.cpu_budget, None
-    if budget is not None:
-        step = step_for_budget
-    fixed, auto = {}, None
+def round_of(pipe: Pipeline, settings: list[tuple[int, int]], r: int, seconds: float,
+             auto_seconds: float, cpu_budget: float | None = None, say=None) -> dict:
+    """One round: every fixed ``(num_workers, prefetch_factor)`` of ``settings`` and auto, in
+    the round's order. With a budget, the step is also timed alone just before auto runs."""
+    fixed, auto, alone = {}, None, None
     with OtherCores() as others:
-        for setting in rotated([*sweep(args), "auto"], r):
+        for setting in rotated([*settings, "auto"], r):
             if setting == "auto":
-                alone = step_alone(step, batch_size) if budget is not None else None
-                auto = run(dataset, batch_size, step, "auto", None, args.seconds,
-                           auto_seconds=args.auto_seconds, cpu_budget=budget)
-                last = judge_auto(auto, 1.0, args.seconds)["rate"] or 0.0
+                alone = step_alone(pipe.step, pipe.batch_size) if cpu_budget is not None else None
+                auto = run(pipe, "auto", None, seconds, auto_seconds=auto_seconds,
+                           cpu_budget=cpu_budget)
+                last = judge_auto(auto, 1.0, seconds)["rate"] or 0.0
                 said = f"auto: {last:.1f} batches/s over its last window, at {auto['settled']}"
             else:
                 nw, pf = setting
-                fixed[f"{nw},{pf}"] = one = run(dataset, batch_size, step, nw, pf, args.seconds)
+                fixed[f"{nw},{pf}"] = one = run(pipe, nw, pf, seconds)
                 said = f"num_workers={nw} prefetch_factor={pf}: {one['rate'] or 0:.1f} batches/s"
-            print(f"[tuning] {name} round {r + 1}: {said}", file=sys.stderr, flush=True)
+            if say:
+                say(f"round {r + 1}: {said}")
     return {"fixed": fixed, "auto": auto, "step_alone_s": alone,
             "other_processes_cpu_cores": others.cores}
 
@@ -232,53 +256,118 @@ def best_setting(rounds: list[dict], budget_cores: float | None) -> str | None:
     return max(rates, key=rates.get) if rates else None
 
 
-def summary_of(name: str, rounds: list[dict], args) -> dict:
-    """Auto against the best fixed setting, paired per round."""
-    budget_cores = None if args.cpu_budget is None else args.cpu_budget * env.usable_cores()
+def settled_name(settled: dict | None) -> str:
+    """Where one auto run settled: "2 workers, prefetch 4"."""
+    if settled is None:
+        return "-"
+    n = settled["num_workers"]
+    return f"{n} worker{'s' * (n != 1)}, prefetch {settled['prefetch_factor']}"
+
+
+def settled_text(settled: list[dict | None]) -> str:
+    """Where auto settled, round by round, counted: "2 workers, prefetch 4 (5 rounds); ..."."""
+    counts: dict[str, int] = {}
+    for s in settled:
+        counts[settled_name(s)] = counts.get(settled_name(s), 0) + 1
+    return "; ".join(f"{k} ({n} round{'s' * (n != 1)})"
+                     for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def summary_of(rounds: list[dict], seconds: float, budget_cores: float | None = None) -> dict:
+    """Auto against the best fixed setting, paired per round; and whether auto's first batch
+    was the same in every round (its seeds are per batch: whatever the tuner did)."""
     best = best_setting(rounds, budget_cores)
-    judged = [judge_auto(r["auto"], r["fixed"][best]["rate"], args.seconds) if best else {}
+    judged = [judge_auto(r["auto"], r["fixed"][best]["rate"], seconds) if best else {}
               for r in rounds]
     for r, j in zip(rounds, judged):
         r["judged"] = j
     reached = [j.get("reached_s") for j in judged]
     growth = stats.summarize(r["auto"]["step_s"] / r["step_alone_s"] for r in rounds
                              if r["step_alone_s"] and r["auto"]["step_s"])
-    return {"workload": name, "best": best,
+    return {"best": best,
             "best_rate": stats.summarize(r["fixed"][best]["rate"] for r in rounds) if best
             else None,
+            "fixed_rates": {k: stats.summarize(r["fixed"][k]["rate"] for r in rounds)
+                            for k in rounds[0]["fixed"]},
             "auto_rate": stats.summarize(j.get("rate") for j in judged),
             "ratio": stats.summarize(j.get("ratio") for j in judged),
             "reached_s": stats.summarize(reached),
             "never_reached": sum(1 for x in reached if x is None),
             "settled": [r["auto"]["settled"] for r in rounds],
+            "settled_text": settled_text([r["auto"]["settled"] for r in rounds]),
+            "same_first_batch": len({tuple(r["auto"]["first_batch"]) for r in rounds}) == 1,
             "step_growth": growth,
             "workers_cpu_peak": stats.summarize(r["auto"]["workers_cpu_peak"] for r in rounds),
             "budget_cores": budget_cores}
 
 
-def finding(summaries: list[dict], args) -> dict:
-    lines, met = [], True
+def call(summary: dict) -> tuple[str, str]:
+    """(call, label) on auto against the best fixed setting: "roll out" (use auto) when the
+    whole interval of the ratio lies at or above REACH and 95% was reached in every round;
+    "roll back" (pin the best fixed setting) when the whole interval lies below REACH."""
+    ratio, shown = summary["ratio"], stats.interval(summary["ratio"], 3, "x")
+    bar = f"{REACH:.2f}x"
+    if not ratio:
+        return "undecided", "auto made no window to judge"
+    if not stats.is_ci95(ratio):
+        return "undecided", (f"{shown}: {ratio['n']} rounds; 6 or more make a 95% CI to decide "
+                             "on")
+    if ratio["ci_low"] >= REACH and not summary["never_reached"]:
+        return "roll out", f"{shown}: at least {bar} the best fixed setting, the whole interval"
+    if ratio["ci_high"] < REACH:
+        return "roll back", f"{shown}: below {bar} the best fixed setting, the whole interval"
+    return "undecided", f"{shown}: not shown at or above {bar} the best fixed setting"
+
+
+def figure(rounds: list[dict], summary: dict, seconds: float) -> tuple | None:
+    """(name, Figure, caption): auto's rate over time in each round against the best fixed
+    setting's median rate and 95% of it."""
+    from . import plots
+
+    if not summary["best_rate"]:
+        return None
+    series = {f"auto, round {i + 1}": tuple(zip(*window_rates(r["auto"]["times"], seconds)))
+              for i, r in enumerate(rounds)}
+    best = summary["best_rate"]["median"]
+    return ("auto", plots.reaching({k: v for k, v in series.items() if v}, best, REACH,
+                                   f"batches/s over the last {seconds:g} s"),
+            f"num_workers='auto' from its constructor, each round (batches/s over a sliding "
+            f"{seconds:g} s window), against the best fixed setting (num_workers,prefetch_factor "
+            f"= {summary['best']}) at its median rate and {REACH:.0%} of it.")
+
+
+def finding(summaries: list[dict], auto_seconds: float) -> dict:
+    """The sentences, and one call for every workload: each workload's own (``call``), kept
+    from "roll out" by a budget exceeded or a step slowed past STEP_GROWTH_BAR."""
+    lines, calls, labels = [], [], []
     for s in summaries:
-        ok = bool(s["ratio"]) and s["ratio"]["ci_low"] >= REACH and s["never_reached"] == 0
+        verdict, label = call(s)
         text = (f"{s['workload']}: auto's rate {stats.interval(s['ratio'], 3, 'x')} that of "
                 f"the best fixed setting (num_workers,prefetch_factor = {s['best']}, the highest "
                 f"median rate of the sweep), 95% of it "
                 f"reached at {stats.interval(s['reached_s'], 1, ' s')} "
-                f"({s['never_reached']} round(s) never) within {args.auto_seconds:g} s; settled "
-                f"at {s['settled'][-1]}")
+                f"({s['never_reached']} round(s) never) within {auto_seconds:g} s; settled "
+                f"at {s['settled_text']}")
         if s["budget_cores"] is not None:
-            within = (s["workers_cpu_peak"] is not None
-                      and s["workers_cpu_peak"]["max"] <= s["budget_cores"] * 1.05)
+            peak = s["workers_cpu_peak"]["max"] if s["workers_cpu_peak"] else None
+            within = peak is not None and peak <= s["budget_cores"] * 1.05
             grew = s["step_growth"] is not None and s["step_growth"]["ci_high"] <= STEP_GROWTH_BAR
-            ok = ok and within and grew
-            text += (f"; the workers' CPU at most {s['workers_cpu_peak']['max']:.2f} cores in a "
-                     f"second (budget {s['budget_cores']:.2f}); the step's time "
+            text += (f"; the workers' CPU at most {peak or 0:.2f} cores in a second (budget "
+                     f"{s['budget_cores']:.2f}); the step's time "
                      f"{stats.interval(s['step_growth'], 3, 'x')} its time alone")
-        met = met and ok
+            if verdict == "roll out" and not (within and grew):
+                verdict = "undecided"
+                label += ("; but the budget was exceeded" if not within else
+                          f"; but the step's time not shown within {STEP_GROWTH_BAR:.2f}x")
+        calls.append(verdict)
+        labels.append(f"{s['workload']}: {label}")
         lines.append(text + ".")
-    label = ("auto within 5% of the best fixed setting, the whole interval, in every round"
-             if met else "auto not shown within 5% of the best fixed setting in every workload")
-    return {"text": " ".join(lines), "call": "roll out" if met else "undecided", "label": label}
+    overall = calls[0] if len(set(calls)) == 1 else "undecided"
+    return {"text": " ".join(lines), "call": overall, "label": "; ".join(labels)}
+
+
+def _say(workload: str, text: str) -> None:
+    print(f"[tuning] {workload} {text}", file=sys.stderr, flush=True)
 
 
 @options.command
@@ -293,7 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--step", help="MODULE:CALLABLE, your training step, called with each batch")
     p.add_argument("--batch-size", type=options.whole(1), default=32)
     p.add_argument("--num-workers", type=options.listed(int), default=None,
-                   help="the fixed worker counts to sweep (default: 1 to twice the cores)")
+                   help="the fixed worker counts to sweep (default: powers of two up to twice "
+                        "the cores, and the cores)")
     p.add_argument("--prefetch-factors", type=options.listed(int), default=[2, 4])
     p.add_argument("--seconds", type=options.number(0.0), default=5.0)
     p.add_argument("--auto-seconds", type=options.number(0.0), default=30.0)
@@ -308,29 +398,42 @@ def main(argv=None) -> int:
                                    "images": 64})
     if "dataset" in args.workloads and not args.dataset:
         p.error("the 'dataset' workload needs --dataset MODULE:CALLABLE")
-    step = busy_step(args.step_ms) if args.cpu_budget is not None else None
-    per = {name: [round_of(name, args, r, step) for r in range(args.rounds)]
-           for name in args.workloads}
-    summaries = [summary_of(name, rounds, args) for name, rounds in per.items()]
+    cores = env.usable_cores()
+    settings = list(itertools.product(args.num_workers or worker_counts(cores),
+                                      args.prefetch_factors))
+    busy = busy_step(args.step_ms) if args.cpu_budget is not None else None
+    budget_cores = None if args.cpu_budget is None else args.cpu_budget * cores
+    per, summaries, figures = {}, [], []
+    for name in args.workloads:
+        pipe = _workload(name, args)
+        if busy is not None:
+            pipe.step = busy
+        per[name] = rounds = [round_of(pipe, settings, r, args.seconds, args.auto_seconds,
+                                       args.cpu_budget, functools.partial(_say, name))
+                              for r in range(args.rounds)]
+        summaries.append({"workload": name} | summary_of(rounds, args.seconds, budget_cores))
+        plot = figure(rounds, summaries[-1], args.seconds)
+        if plot:
+            figures.append((f"{name}-{plot[0]}", *plot[1:]))
     result = {"environment": env.capture(env.module_argv(__spec__, __name__)),
-              "sweep": sweep(args), "seconds": args.seconds, "auto_seconds": args.auto_seconds,
+              "sweep": settings, "seconds": args.seconds, "auto_seconds": args.auto_seconds,
               "cpu_budget": args.cpu_budget, "step_ms": args.step_ms if args.cpu_budget else None,
               "rounds": per, "summaries": summaries,
               "busy": busy_notes("tuning", [r["other_processes_cpu_cores"]
                                             for rounds in per.values() for r in rounds])}
-    result["finding"] = finding(summaries, args)
+    result["finding"] = finding(summaries, args.auto_seconds)
     rows = [[s["workload"], stats.interval(s["ratio"], 3, "x"),
              stats.interval(s["reached_s"], 1, " s"), str(s["never_reached"]),
              f"{s['best']}: {stats.interval(s['best_rate'], 1)}",
-             stats.interval(s["auto_rate"], 1), str(s["settled"][-1])] for s in summaries]
+             stats.interval(s["auto_rate"], 1), s["settled_text"]] for s in summaries]
     save_study(args.out, "tuning", result, "num_workers='auto' against a sweep of fixed settings",
                ["workload", "auto / best fixed", "95% of best reached at", "rounds never",
                 "best fixed (num_workers,prefetch_factor): batches/s", "auto: batches/s",
-                "auto settled at (last round)"],
+                "auto settled at"],
                rows, [f"Command: `{result['environment']['command']}`. Sweep: "
-                      f"{', '.join(f'{w},{p}' for w, p in result['sweep'])}; windows of "
+                      f"{', '.join(f'{w},{p}' for w, p in settings)}; windows of "
                       f"{args.seconds:g} s; auto ran {args.auto_seconds:g} s from its "
-                      "constructor."], [])
+                      "constructor."], figures)
     return 0
 
 
