@@ -24,7 +24,8 @@ GiB = 2**30
 
 
 class Machine:
-    """The tuner's view of a made-up machine: a clock, the CPU its workers used, the idle."""
+    """The tuner's view of a made-up machine: a clock, the CPU its workers used, the idle
+    (the loader's own CPU: its workers')."""
 
     def __init__(self):
         self.t = self.cpu = self.idle = 0.0
@@ -33,7 +34,7 @@ class Machine:
         return self.t
 
     def read(self) -> Reading:
-        return Reading(self.cpu, self.idle)
+        return Reading(self.cpu, self.idle, self.cpu)
 
     def period(self, tuner: Tuner, wait: float, cpu: float, idle: float,
                done: float = 0.0, batches: int = 1) -> list[Change]:
@@ -59,17 +60,39 @@ def _moves(changes) -> list[tuple]:
     return [(c.setting, c.old, c.new) for c in changes]
 
 
+def _kept(m: Machine, t: Tuner, wait: float, cpu: float, idle: float, batches: int) -> None:
+    """A trial's settling period and its three judged ones, the loop faster throughout."""
+    for _ in range(4):
+        assert m.period(t, wait, cpu, idle, batches=batches) == []
+
+
 def test_more_workers_while_the_loop_waits_and_cores_are_idle():
     m = Machine()
     t = _tuner(m)
-    assert _moves(m.period(t, wait=0.2, cpu=2, idle=5)) == [("num_workers", 2, 3)]
-    assert m.period(t, wait=0.6, cpu=3, idle=4) == []  # the pipeline refills: not judged
-    assert _moves(m.period(t, wait=0.6, cpu=3, idle=4)) == [("num_workers", 3, 6)]  # doubled
-    m.period(t, wait=0.6, cpu=6, idle=2)
-    assert _moves(m.period(t, wait=0.6, cpu=6, idle=2)) == [("num_workers", 6, 8)]  # the cap
-    m.period(t, 0.6, 8, 0)
+    assert _moves(m.period(t, wait=0.2, cpu=2, idle=5, batches=10)) == [("num_workers", 2, 3)]
+    assert "5.00 cores idle: 3 tried" in t.changes[-1].why
+    _kept(m, t, 0.6, 3, 4, batches=14)
+    assert _moves(m.period(t, 0.6, 3, 4, batches=14)) == [("num_workers", 3, 6)]  # doubled
+    _kept(m, t, 0.6, 6, 2, batches=25)
+    assert _moves(m.period(t, 0.6, 6, 2, batches=25)) == [("num_workers", 6, 8)]  # the cap
+    _kept(m, t, 0.6, 8, 0, batches=30)
     assert t.workers == 8 and "waited 60%" in t.changes[-1].why
-    assert [c.at_s for c in t.changes] == [1.0, 3.0, 5.0]
+    assert [c.at_s for c in t.changes] == [1.0, 6.0, 11.0]
+
+
+def test_workers_added_on_idle_cores_go_back_where_the_loop_gets_no_faster():
+    """Cores idle between a CPU step's parallel parts are the step's: more workers there make
+    the loop slower, and are taken back (and not tried again for a minute)."""
+    m = Machine()
+    t = _tuner(m, auto_prefetch=False)
+    assert _moves(m.period(t, 0.2, 1.0, 0.8, batches=10)) == [("num_workers", 2, 3)]
+    m.period(t, 0.2, 1.2, 0.6, batches=9)  # settling
+    changes = [c for _ in range(3) for c in m.period(t, 0.2, 1.2, 0.6, batches=9)]
+    assert _moves(changes) == [("num_workers", 3, 2)]
+    m.period(t, 0.2, 1.0, 0.8, batches=10)
+    for _ in range(20):
+        assert m.period(t, 0.2, 1.0, 0.8, batches=10) == []
+    assert t.workers == 2
 
 
 def test_no_more_workers_without_an_idle_core_but_a_deeper_prefetch_if_they_idle():
@@ -118,9 +141,10 @@ def test_over_the_cpu_budget_workers_are_cut_at_once():
 def test_the_budget_bounds_what_is_added():
     m = Machine()
     t = _tuner(m, workers=2, budget=0.5, cores=8)
-    assert _moves(m.period(t, wait=0.9, cpu=2.0, idle=6)) == [("num_workers", 2, 4)]
-    m.period(t, 0.9, 4.0, 4)
-    assert m.period(t, wait=0.9, cpu=4.0, idle=4) == []  # a fifth would not fit
+    assert _moves(m.period(t, wait=0.9, cpu=2.0, idle=6, batches=10)) == [("num_workers", 2, 4)]
+    _kept(m, t, 0.9, 4.0, 4, batches=20)
+    assert m.period(t, wait=0.9, cpu=4.0, idle=4, batches=20) == []  # a fifth would not fit
+    assert t.workers == 4
 
 
 def test_a_calm_loop_loses_a_worker_but_not_below_a_count_that_made_it_wait():
@@ -130,7 +154,7 @@ def test_a_calm_loop_loses_a_worker_but_not_below_a_count_that_made_it_wait():
     assert _moves(m.period(t, 0.0, 1.0, 6)) == [("num_workers", 4, 3)]
     m.period(t, 0.0, 1.0, 6)
     assert _moves(m.period(t, 0.2, 3.0, 4)) == [("num_workers", 3, 4)]  # cut too far
-    m.period(t, 0.0, 1.0, 6)
+    _kept(m, t, 0.0, 1.0, 6, batches=2)
     for _ in range(5):
         assert m.period(t, 0.0, 1.0, 6) == []  # 3 made it wait: it stays at 4
 
@@ -153,6 +177,93 @@ def test_no_step_past_what_shared_memory_holds():
     m = Machine()
     t = _tuner(m, room=lambda workers, prefetch: "the slab pool will not fit")
     assert m.period(t, wait=0.5, cpu=1.0, idle=5) == []
+
+
+def test_idle_host_cores_past_a_cpu_quota_are_not_idle_for_the_loader():
+    """In a container limited to 2 cores' worth of CPU on a larger host, the host's idle cores
+    are none of the loader's: with its workers using the quota, no worker is added outright."""
+    m = Machine()
+    t = _tuner(m, cores=2, auto_prefetch=False)
+    assert m.period(t, wait=0.3, cpu=2.0, idle=14.0) == []  # (one period's rate: no trial)
+    moves = _moves(m.period(t, wait=0.3, cpu=2.0, idle=14.0))
+    assert moves == [("num_workers", 2, 3)] and "no core idle" in t.changes[-1].why
+    m2 = Machine()
+    t2 = _tuner(m2, cores=8, auto_prefetch=False)
+    m2.period(t2, wait=0.3, cpu=2.0, idle=6.0)
+    assert "cores idle" in t2.changes[-1].why
+
+
+def _cgroup_tree(root, v1_quota=None, v2_max=None, path="a/b"):
+    """A cgroup file tree as the kernel lays it out (v1 cpu controller, or v2 unified)."""
+    if v1_quota is not None:
+        d = root / "cpu,cpuacct" / path
+        d.mkdir(parents=True)
+        (d / "cpu.cfs_quota_us").write_text(f"{v1_quota}\n")
+        (d / "cpu.cfs_period_us").write_text("100000\n")
+        (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+        (root / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+        return f"4:cpu,cpuacct:/{path}\n3:memory:/{path}\n"
+    d = root / path
+    d.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (d / "cpu.max").write_text(f"{v2_max}\n")
+    (root / "a" / "cpu.max").write_text("max 100000\n")
+    return f"0::/{path}\n"
+
+
+@pytest.mark.parametrize("layout, quota", [
+    ({"v1_quota": 250000}, 2.5), ({"v1_quota": -1}, None),
+    ({"v2_max": "150000 100000"}, 1.5), ({"v2_max": "max 100000"}, None),
+    ({"v2_max": "garbage"}, None),
+])
+def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2(tmp_path, layout, quota):
+    from fastmm import doctor
+
+    lines = _cgroup_tree(tmp_path / "fs", **layout)
+    (tmp_path / "self").write_text(lines)
+    assert doctor.cgroup_cpu_quota(str(tmp_path / "fs"), str(tmp_path / "self")) == quota
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_a_real_cgroup_quota_caps_the_usable_cores():
+    """A child in a cgroup of its own with a CPU quota of 1.5 cores (v1 or v2, where this
+    machine lets root make one) counts 2 usable cores, whatever its affinity."""
+    import subprocess
+    import sys
+
+    if os.path.exists("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):  # v1
+        base, name, value = "/sys/fs/cgroup/cpu", "cpu.cfs_quota_us", "150000"
+    elif "cpu" in _read("/sys/fs/cgroup/cgroup.subtree_control").split():  # v2
+        base, name, value = "/sys/fs/cgroup", "cpu.max", "150000 100000"
+    else:
+        pytest.skip("no cgroup CPU controller to use here")
+    group = os.path.join(base, f"fastmm-test-{os.getpid()}")
+    try:
+        os.mkdir(group)
+        with open(os.path.join(group, name), "w") as f:
+            f.write(value)
+    except OSError as e:
+        if os.path.isdir(group):
+            os.rmdir(group)
+        pytest.skip(f"cannot make a cgroup with a CPU quota here: {e}")
+    try:
+        code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
+                "from fastmm import doctor; print(doctor.cgroup_cpu_quota(), "
+                "len(os.sched_getaffinity(0)), doctor.usable_cores())")
+        out = subprocess.run([sys.executable, "-c", code, group], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        quota, affinity, usable = out.stdout.split()
+        assert float(quota) == 1.5 and int(usable) == min(2, int(affinity))
+    finally:
+        os.rmdir(group)
 
 
 def test_the_cap_is_twice_the_cores_or_the_budgets_share_and_memory():

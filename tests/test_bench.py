@@ -998,6 +998,26 @@ def test_tuning_run_sweeps_fixed_settings_and_judges_auto_against_the_best(tmp_p
     assert "auto's rate" in result["finding"]["text"] and (out / "report.html").exists()
 
 
+@pytest.mark.slow
+def test_tuning_within_a_budget_times_the_step_alone_beside_a_busy_core_and_under_auto(tmp_path):
+    """With --cpu-budget: the step timed alone, beside one busy process (no loader), and under
+    auto within the budget; the workers' peak CPU read; all of it in the finding."""
+    from fastmm.bench import tuning
+
+    out = tmp_path / "out"
+    assert tuning.main(["--quick", "--workloads", "transport", "--num-workers", "1",
+                        "--prefetch-factors", "2", "--auto-seconds", "3", "--cpu-budget", "0.5",
+                        "--step-ms", "5", "--out", str(out)]) == 0
+    result = json.loads((out / "tuning.json").read_text())
+    (r,) = result["rounds"]["transport"]
+    assert r["step_alone_s"] > 0 and r["step_beside_a_busy_core"] > 0
+    assert r["auto"]["step_s"] > 0 and r["auto"]["workers_cpu_peak"] > 0
+    (summary,) = result["summaries"]
+    assert summary["budget_cores"] == 0.5 * tuning.env.usable_cores()
+    text = result["finding"]["text"]
+    assert "beside one busy process" in text and "its time alone" in text
+
+
 def test_tuning_windows_and_the_time_auto_reached_the_best():
     from fastmm.bench import tuning
 

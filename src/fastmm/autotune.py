@@ -1,7 +1,8 @@
 """``num_workers="auto"``, ``prefetch_factor="auto"`` and ``cpu_budget=`` (issue 55): a loader
 that sets its own worker count and prefetch depth while it runs, from what it measures each
-period: the share of the time the loop waited for batches, the CPU its workers used, the cores
-the machine left idle (docs/loader.md, "A loader that tunes itself").
+period: the share of the time the loop waited for batches, the CPU its workers used, the idle
+cores it may use, and the loop's rate against the rate before a change (docs/loader.md, "A loader
+that tunes itself").
 
 The loader may start up to ``most`` workers (``most_workers``); it starts the first ``workers``
 of them and hands them batches, and starts more when the tuner calls for them. Those it stops
@@ -32,7 +33,7 @@ WAITING = 0.05  # the loop waited this share of a period or more: it wants more 
 NOT_WAITING = 0.01  # it waited less: maybe fewer do
 IDLE_WORKERS = 0.25  # while it waited, this share of the workers had nothing left to do
 CALM_PERIODS = 3  # periods without waiting before a worker is taken away
-TRIAL_PERIODS = 3  # a trial of one more worker (no core idle) runs this many periods
+TRIAL_PERIODS = 3  # a trial of more workers runs this many periods (after one settling)
 TRIAL_GAIN = 0.03  # and is kept where it made this much more batches a second
 RETRY_S = 60.0  # a count whose trial made nothing more is not tried again for this long
 FIRST_PREFETCH = 2  # torch's default
@@ -164,7 +165,8 @@ class Change(NamedTuple):
 
 
 class Trial(NamedTuple):
-    """One more worker tried while no core was idle: kept where it makes the loop faster."""
+    """More workers tried: kept where they make the loop faster (idle cores may be the step's
+    own, between its parallel parts: more workers there slow it)."""
 
     back_to: int  # the count before it
     before: float  # batches a second then (the median of the last periods)
@@ -172,17 +174,26 @@ class Trial(NamedTuple):
 
 
 class Reading(NamedTuple):
-    """Counters read at one moment (cumulative seconds): the workers' CPU time, summed, and
-    the machine's idle CPU time, summed over its cores."""
+    """Counters read at one moment (cumulative seconds): the workers' CPU time, summed; the
+    idle time of the cores this process may run on, summed; the CPU time of the loader's
+    processes (the workers and this one), summed."""
 
     workers_cpu_s: float
     idle_cpu_s: float
+    own_cpu_s: float
 
 
 def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
-    """A reader of the workers' CPU time (``pids()``: the started workers' pids) and of the
-    machine's idle time, from /proc through psutil."""
+    """A reader of the workers' CPU time (``pids()``: the started workers' pids), of the idle
+    time of this process's cores (its affinity), and of this process's CPU time, from /proc
+    through psutil."""
     import psutil
+
+    try:
+        mine = set(os.sched_getaffinity(0))
+    except AttributeError:
+        mine = None
+    me = psutil.Process()
 
     def read() -> Reading:
         used = 0.0
@@ -192,8 +203,11 @@ def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
                 used += times.user + times.system
             except (psutil.Error, OSError):
                 pass  # gone: its replacement counts from its own start
-        idle = psutil.cpu_times()
-        return Reading(used, idle.idle + getattr(idle, "iowait", 0.0))
+        per_core = psutil.cpu_times(percpu=True)
+        idle = sum(c.idle + getattr(c, "iowait", 0.0)
+                   for i, c in enumerate(per_core) if mine is None or i in mine)
+        times = me.cpu_times()
+        return Reading(used, idle, used + times.user + times.system)
 
     return read
 
@@ -203,8 +217,8 @@ class Tuner:
     prefetch (``workers``, ``prefetch``), from the loop's waiting (``waited``) and ``read()``.
 
     More workers while the loop waits for data and cores are idle (twice as many while it
-    waits most of the time); while it waits and no core is idle, one more on trial, kept only
-    if the loop gets ``TRIAL_GAIN`` more batches a second; fewer once it has not waited for
+    waits most of the time), or one more while it waits and no core is idle: on trial either
+    way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second; fewer once it has not waited for
     ``CALM_PERIODS`` periods and one fewer carries the load (their CPU fits in one fewer),
     never below a count at which it waited after such a cut; fewer at once when the workers
     used more than ``cpu_budget``; a deeper prefetch while the loop waits though a quarter of
@@ -255,7 +269,7 @@ class Tuner:
 
     def detach(self) -> None:
         """Its iterator's workers are gone: measure nothing until the next one attaches."""
-        self._read = lambda: Reading(0.0, 0.0)
+        self._read = lambda: Reading(0.0, 0.0, 0.0)
         self._room = lambda workers, prefetch: None
 
     def _begin_period(self) -> None:
@@ -281,7 +295,10 @@ class Tuner:
         wait = self._waited / elapsed
         idle_workers = self._waited_idle / self._waited if self._waited else 0.0
         cpu = max(0.0, reading.workers_cpu_s - self._last.workers_cpu_s) / elapsed
-        idle = max(0.0, reading.idle_cpu_s - self._last.idle_cpu_s) / elapsed
+        own = max(0.0, reading.own_cpu_s - self._last.own_cpu_s) / elapsed
+        # idle cores this loader may use: a CPU quota (usable_cores) leaves host cores idle
+        idle = min(max(0.0, reading.idle_cpu_s - self._last.idle_cpu_s) / elapsed,
+                   max(0.0, self._cores - own))
         rate = self._batches / elapsed
         self._begin_period()
         if self._settling:
@@ -331,9 +348,8 @@ class Tuner:
                 if budget is not None and per_worker > 0:
                     more = min(more, max(1, math.floor((budget - cpu) / per_worker)))
                 new = min(s.most, n + more)
-                why = self._room(new, self.prefetch)
-                if why is None:
-                    return [self._set_workers(at, new, f"{said}; {idle:.2f} cores idle")]
+                if self._may_try(at, new):
+                    return [self._try_workers(at, new, f"{said}; {idle:.2f} cores idle")]
             if idle_workers >= IDLE_WORKERS:  # more depth, not more workers, for these
                 if (s.prefetch and self.prefetch < MOST_PREFETCH
                         and self._room(n, self.prefetch + 1) is None):
@@ -341,11 +357,8 @@ class Tuner:
                         at, self.prefetch + 1, f"{said}; {idle_workers:.0%} of them had "
                         "finished their batches meanwhile (batch times vary)")]
             elif (s.workers and n < s.most and fits and idle < 0.5 and len(self._rates) >= 2
-                  and at - self._tried.get(n + 1, -math.inf) >= RETRY_S
-                  and self._room(n + 1, self.prefetch) is None):
-                self._trial = Trial(n, sorted(self._rates[-3:])[len(self._rates[-3:]) // 2], [])
-                return [self._set_workers(at, n + 1, f"{said}; no core idle: {n + 1} tried, kept "
-                                          f"if the loop gets {TRIAL_GAIN:.0%} more batches")]
+                  and self._may_try(at, n + 1)):
+                return [self._try_workers(at, n + 1, f"{said}; no core idle")]
             return []
         if wait < NOT_WAITING:
             self._calm += 1
@@ -361,6 +374,20 @@ class Tuner:
                 return [self._set_prefetch(at, self.prefetch - 1,
                                            "the loop did not wait for 10 periods")]
         return []
+
+    def _may_try(self, at: float, workers: int) -> bool:
+        """Whether ``workers`` may be tried: not within RETRY_S of a trial of it that made
+        nothing more, and the slab pool would fit in shared memory."""
+        return (at - self._tried.get(workers, -math.inf) >= RETRY_S
+                and self._room(workers, self.prefetch) is None)
+
+    def _try_workers(self, at: float, new: int, why: str) -> Change:
+        """More workers on trial for TRIAL_PERIODS, against the loop's rate before (the median
+        of its last periods)."""
+        recent = sorted(self._rates[-3:]) or [0.0]
+        self._trial = Trial(self.workers, recent[len(recent) // 2], [])
+        return self._set_workers(at, new, f"{why}: {new} tried, kept if the loop gets "
+                                          f"{TRIAL_GAIN:.0%} more batches")
 
     def _judge_trial(self, at: float, rate: float) -> list[Change]:
         """One period of a trial: at its end, back to the count before it, unless it made

@@ -10,6 +10,7 @@ needs; given ``--dataset``, what the dataset's workers share.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import shutil
@@ -24,10 +25,71 @@ LARGE_PYTHON_CONTAINER = 100_000  # items: each one's refcount write in a worker
 
 
 def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota
+    (a container's CPU limit, which the affinity does not show), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.ceil(quota - 1e-9)))
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup"
+                     ) -> float | None:
+    """The cores' worth of CPU time a period that this process's cgroup and its ancestors allow
+    (the least of their quotas), or None where none sets one: cgroup v2's ``cpu.max``
+    ("max 100000" or "200000 100000") or v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``
+    (-1: none). A cgroup namespace shows a container's own cgroup as "/"."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2
+            base, read = root, _v2_quota
+            if not os.path.exists(os.path.join(root, "cgroup.controllers")):
+                base = os.path.join(root, "unified")
+        elif "cpu" in controllers.split(","):  # v1
+            base, read = os.path.join(root, controllers), _v1_quota
+            if not os.path.isdir(base):
+                base = os.path.join(root, "cpu")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p not in (".", "..")]
+        for depth in range(len(parts), -1, -1):
+            quota = read(os.path.join(base, *parts[:depth]))
+            if quota is not None:
+                quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def _read_words(path: str) -> list[str] | None:
+    try:
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return None
+
+
+def _v2_quota(directory: str) -> float | None:
+    words = _read_words(os.path.join(directory, "cpu.max"))
+    try:
+        return None if not words or words[0] == "max" else int(words[0]) / int(words[1])
+    except (ValueError, IndexError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(directory: str) -> float | None:
+    quota = _read_words(os.path.join(directory, "cpu.cfs_quota_us"))
+    period = _read_words(os.path.join(directory, "cpu.cfs_period_us"))
+    try:
+        return None if not quota or int(quota[0]) <= 0 else int(quota[0]) / int(period[0])
+    except (ValueError, IndexError, TypeError, ZeroDivisionError):
+        return None
 
 
 def pool_bytes(num_workers: int, prefetch_factor: int, batch_bytes: int) -> int:
@@ -105,8 +167,9 @@ def report(num_workers: int | None, prefetch_factor: int, batch_bytes: int | Non
     except ConfigError as e:
         lines.append(f"PROBLEM: {e}")
         config, problem = TransportConfig(), True
-    cores = usable_cores()
-    lines.append(f"cores usable by this process: {cores}")
+    cores, quota = usable_cores(), cgroup_cpu_quota()
+    lines.append(f"cores usable by this process: {cores}" + (
+        "" if quota is None else f" (its cgroup's CPU quota: {quota:g} cores' worth)"))
     try:
         usage = shutil.disk_usage(config.shm_dir)
         lines.append(f"shared memory ({config.shm_dir}): {usage.free / 2**20:,.0f} MiB free of "

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from ..doctor import cgroup_cpu_quota, usable_cores
+
 
 def _version(package: str) -> str | None:
     try:
@@ -34,13 +36,6 @@ def cpu_model() -> str | None:
     except OSError:
         pass
     return platform.processor() or None
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _git(repo: Path, *args: str) -> str | None:
@@ -224,7 +219,8 @@ def capture(argv: list[str] | None = None, *, loader_config: dict | None = None,
         "fastmm_transport": dataclasses.asdict(transport),
         "cpu_model": cpu_model(),
         "cpu_count_logical": os.cpu_count(),
-        "cpu_count_usable": usable_cores(),
+        "cpu_count_usable": usable_cores(),  # affinity, capped by a cgroup CPU quota
+        "cgroup_cpu_quota_cores": cgroup_cpu_quota(),
         "numa_nodes": numa_nodes(),
         "ram_total_bytes": memory.total,
         "ram_available_bytes_at_start": memory.available,

@@ -16,7 +16,8 @@ batch 32), and a pipeline of your own with ``--dataset MODULE:CALLABLE`` (and ``
 holding the GIL, of as many turns as take M ms alone, counted once): the step is timed alone
 just before auto runs within the budget, and the fixed settings whose workers used at most
 the budget in every second are the ones auto is judged against; the workers' CPU is read once
-a second.
+a second; the step is also timed beside one busy process and no loader (``beside_a_busy_core``:
+what the machine's cores do to each other).
 Run: ``python -m fastmm.bench.tuning --out DIR`` (``--quick``: 1 round, 1 s windows).
 """
 
@@ -217,11 +218,34 @@ def step_alone(step, batch_size: int, seconds: float = 1.0) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def beside_a_busy_core(step, batch_size: int, seconds: float = 2.0) -> float:
+    """How much slower the step runs while one other process keeps a core busy (no loader
+    at all): its median time beside a spinning child over its median time alone, the two
+    interleaved. A budget leaves the step its cores; where the machine's cores slow each other
+    (vCPUs sharing a physical core, a shared power budget), this is the least growth any
+    loader using one core could give it."""
+    import subprocess
+
+    alone, beside = [], []
+    for _ in range(3):
+        alone.append(step_alone(step, batch_size, seconds / 6))
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.2)
+            beside.append(step_alone(step, batch_size, seconds / 6))
+        finally:
+            spinner.kill()
+            spinner.wait()
+    return sorted(beside)[1] / sorted(alone)[1]
+
+
 def round_of(pipe: Pipeline, settings: list[tuple[int, int]], r: int, seconds: float,
              auto_seconds: float, cpu_budget: float | None = None, say=None) -> dict:
     """One round: every fixed ``(num_workers, prefetch_factor)`` of ``settings`` and auto, in
     the round's order. With a budget, the step is also timed alone just before auto runs."""
-    fixed, auto, alone = {}, None, None
+    fixed, auto, alone, machine = {}, None, None, None
+    if cpu_budget is not None:
+        machine = beside_a_busy_core(pipe.step, pipe.batch_size)
     with OtherCores() as others:
         for setting in rotated([*settings, "auto"], r):
             if setting == "auto":
@@ -237,6 +261,7 @@ def round_of(pipe: Pipeline, settings: list[tuple[int, int]], r: int, seconds: f
             if say:
                 say(f"round {r + 1}: {said}")
     return {"fixed": fixed, "auto": auto, "step_alone_s": alone,
+            "step_beside_a_busy_core": machine,
             "other_processes_cpu_cores": others.cores}
 
 
@@ -284,6 +309,7 @@ def summary_of(rounds: list[dict], seconds: float, budget_cores: float | None = 
     reached = [j.get("reached_s") for j in judged]
     growth = stats.summarize(r["auto"]["step_s"] / r["step_alone_s"] for r in rounds
                              if r["step_alone_s"] and r["auto"]["step_s"])
+    machine = stats.summarize(r.get("step_beside_a_busy_core") for r in rounds)
     return {"best": best,
             "best_rate": stats.summarize(r["fixed"][best]["rate"] for r in rounds) if best
             else None,
@@ -297,6 +323,7 @@ def summary_of(rounds: list[dict], seconds: float, budget_cores: float | None = 
             "settled_text": settled_text([r["auto"]["settled"] for r in rounds]),
             "same_first_batch": len({tuple(r["auto"]["first_batch"]) for r in rounds}) == 1,
             "step_growth": growth,
+            "step_beside_a_busy_core": machine,
             "workers_cpu_peak": stats.summarize(r["auto"]["workers_cpu_peak"] for r in rounds),
             "budget_cores": budget_cores}
 
@@ -354,7 +381,9 @@ def finding(summaries: list[dict], auto_seconds: float) -> dict:
             grew = s["step_growth"] is not None and s["step_growth"]["ci_high"] <= STEP_GROWTH_BAR
             text += (f"; the workers' CPU at most {peak or 0:.2f} cores in a second (budget "
                      f"{s['budget_cores']:.2f}); the step's time "
-                     f"{stats.interval(s['step_growth'], 3, 'x')} its time alone")
+                     f"{stats.interval(s['step_growth'], 3, 'x')} its time alone, and "
+                     f"{stats.interval(s['step_beside_a_busy_core'], 3, 'x')} beside one busy "
+                     "process and no loader (what this machine's cores do to each other)")
             if verdict == "roll out" and not (within and grew):
                 verdict = "undecided"
                 label += ("; but the budget was exceeded" if not within else
