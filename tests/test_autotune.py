@@ -28,24 +28,26 @@ class Machine:
     (the loader's own CPU: its workers')."""
 
     def __init__(self):
-        self.t = self.cpu = self.idle = 0.0
+        self.t = self.cpu = self.idle = self.own = 0.0
 
     def clock(self) -> float:
         return self.t
 
     def read(self) -> Reading:
-        return Reading(self.cpu, self.idle, self.cpu)
+        return Reading(self.cpu, self.idle, self.own)
 
     def period(self, tuner: Tuner, wait: float, cpu: float, idle: float,
-               done: float = 0.0, batches: int = 1) -> list[Change]:
+               done: float = 0.0, batches: int = 1, loop: float = 0.0) -> list[Change]:
         """One period in which the loop got ``batches`` and waited ``wait`` of the time
         (while ``done`` of the workers had finished their batches), the workers used ``cpu``
-        cores and ``idle`` cores were idle: the changes it brought."""
+        cores, the loop's own process ``loop``, and ``idle`` cores were idle: the changes it
+        brought."""
         tuner.waited(wait, done)
         for _ in range(batches - 1):
             assert tuner.tick() == []  # (within the period)
         self.t += 1.0
         self.cpu += cpu
+        self.own += cpu + loop
         self.idle += idle
         return tuner.tick()
 
@@ -129,6 +131,31 @@ def test_with_no_core_idle_one_more_worker_is_tried_and_kept_only_if_it_pays():
     for _ in range(3):
         assert m2.period(t2, 0.25, 1.95, 0.05, batches=22) == []  # 10% more: kept
     assert t2.workers == 3
+
+
+def test_beside_a_cpu_heavy_step_one_fewer_worker_is_tried_and_kept_unless_slower():
+    """The loop's own process busy (its step on the CPU): once steady, one fewer worker on
+    trial, kept where the loop gets as many batches (the freed core goes to the step), taken
+    back where it gets fewer; the count shown no better is not tried again for a minute."""
+    m = Machine()
+    t = _tuner(m, workers=3, auto_prefetch=False)
+    for _ in range(2):
+        assert m.period(t, 0.03, 1.5, 0.1, batches=10, loop=1.2) == []
+    assert _moves(m.period(t, 0.03, 1.5, 0.1, batches=10, loop=1.2)) == [("num_workers", 3, 2)]
+    assert "own process used 1.20 cores: 2 tried" in t.changes[-1].why
+    _kept(m, t, 0.03, 1.0, 0.1, batches=10)  # as many batches with 2
+    assert t.workers == 2
+    assert _moves(m.period(t, 0.03, 1.0, 0.1, batches=10, loop=1.2)) == [("num_workers", 2, 1)]
+    m.period(t, 0.2, 0.6, 0.1, batches=8, loop=1.2)  # settling
+    changes = [c for _ in range(3) for c in m.period(t, 0.2, 0.6, 0.1, batches=8, loop=1.2)]
+    assert _moves(changes) == [("num_workers", 1, 2)]  # fewer batches with 1: back
+    for _ in range(20):  # 1 and 3 shown no better: it stays at 2
+        assert m.period(t, 0.03, 1.0, 0.1, batches=10, loop=1.2) == []
+    m2 = Machine()  # the loop waiting half the time: it wants more workers, never fewer
+    t2 = _tuner(m2, workers=3, auto_prefetch=False)
+    for _ in range(12):
+        m2.period(t2, 0.6, 2.9, 0.1, batches=10, loop=1.2)
+    assert t2.changes and min(c.new for c in t2.changes) >= 3
 
 
 def test_over_the_cpu_budget_workers_are_cut_at_once():
@@ -333,7 +360,7 @@ def _scripted(monkeypatch, script: list[tuple[int, int]]):
     monkeypatch.setattr(autotune, "PERIOD_S", 0.0)
     steps = iter(script)
 
-    def decide(self, at, wait, cpu, idle, idle_workers, rate):
+    def decide(self, at, wait, cpu, idle, idle_workers, rate, loop_cpu):
         workers, prefetch = next(steps, (self.workers, self.prefetch))
         changes = []
         if workers != self.workers:

@@ -36,6 +36,7 @@ CALM_PERIODS = 3  # periods without waiting before a worker is taken away
 TRIAL_PERIODS = 3  # a trial of more workers runs this many periods (after one settling)
 TRIAL_GAIN = 0.03  # and is kept where it made this much more batches a second
 RETRY_S = 60.0  # a count whose trial made nothing more is not tried again for this long
+STEP_CORES = 0.5  # the loop's own process used this many cores: its step competes with workers
 FIRST_PREFETCH = 2  # torch's default
 MOST_PREFETCH = 8
 WORKER_MEMORY = 256 * 2**20  # available memory a worker is counted to need, for the cap
@@ -165,12 +166,14 @@ class Change(NamedTuple):
 
 
 class Trial(NamedTuple):
-    """More workers tried: kept where they make the loop faster (idle cores may be the step's
-    own, between its parallel parts: more workers there slow it)."""
+    """Another worker count tried: more kept where they make the loop faster (idle cores may
+    be the step's own, between its parallel parts: more workers there slow it); fewer kept
+    where the loop is no slower (the cores they free go to a CPU-heavy step)."""
 
     back_to: int  # the count before it
     before: float  # batches a second then (the median of the last periods)
     rates: list  # batches a second in each period of the trial
+    fewer: bool  # a trial of fewer workers
 
 
 class Reading(NamedTuple):
@@ -218,7 +221,9 @@ class Tuner:
 
     More workers while the loop waits for data and cores are idle (twice as many while it
     waits most of the time), or one more while it waits and no core is idle: on trial either
-    way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second; fewer once it has not waited for
+    way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second; one fewer on trial
+    while the loop's own process uses ``STEP_CORES`` or more (its step competes with the
+    workers), kept unless the loop gets fewer batches; fewer once it has not waited for
     ``CALM_PERIODS`` periods and one fewer carries the load (their CPU fits in one fewer),
     never below a count at which it waited after such a cut; fewer at once when the workers
     used more than ``cpu_budget``; a deeper prefetch while the loop waits though a quarter of
@@ -306,7 +311,8 @@ class Tuner:
             return []
         if self._trial is None:
             self._rates.append(rate)
-        changes = self._decide(now - self._start, wait, cpu, idle, idle_workers, rate)
+        changes = self._decide(now - self._start, wait, cpu, idle, idle_workers, rate,
+                               max(0.0, own - cpu))
         self._settling = bool(changes)
         if changes:
             self._rates = []
@@ -315,7 +321,7 @@ class Tuner:
         return changes
 
     def _decide(self, at: float, wait: float, cpu: float, idle: float,
-                idle_workers: float, rate: float) -> list[Change]:
+                idle_workers: float, rate: float, loop_cpu: float) -> list[Change]:
         """The changes one period calls for.
 
         Args:
@@ -326,6 +332,7 @@ class Tuner:
             idle_workers: while the loop waited, the share of the workers with nothing left
                 to do.
             rate: batches handed out a second.
+            loop_cpu: the cores the loop's own process used (its step, its reading).
         """
         s, n = self.settings, self.workers
         per_worker = cpu / n if n else 0.0
@@ -338,6 +345,10 @@ class Tuner:
                                       f"{said}, over the budget of {budget:.2f}")]
         if self._trial is not None:
             return self._judge_trial(at, rate)
+        if (s.workers and n > max(1, self._floor) and wait < 0.5 and loop_cpu >= STEP_CORES
+                and len(self._rates) >= TRIAL_PERIODS and self._may_try(at, n - 1)):
+            return [self._try_workers(at, n - 1, f"{said}; the loop's own process used "
+                                                 f"{loop_cpu:.2f} cores", fewer=True)]
         if wait >= WAITING:
             self._calm = 0
             if self._cut_to == n:
@@ -376,32 +387,35 @@ class Tuner:
         return []
 
     def _may_try(self, at: float, workers: int) -> bool:
-        """Whether ``workers`` may be tried: not within RETRY_S of a trial of it that made
-        nothing more, and the slab pool would fit in shared memory."""
+        """Whether ``workers`` may be tried: not within RETRY_S of a trial that showed it no
+        better, and the slab pool would fit in shared memory."""
         return (at - self._tried.get(workers, -math.inf) >= RETRY_S
                 and self._room(workers, self.prefetch) is None)
 
-    def _try_workers(self, at: float, new: int, why: str) -> Change:
-        """More workers on trial for TRIAL_PERIODS, against the loop's rate before (the median
-        of its last periods)."""
+    def _try_workers(self, at: float, new: int, why: str, fewer: bool = False) -> Change:
+        """Another count on trial for TRIAL_PERIODS, against the loop's rate before (the median
+        of its last periods): more kept for TRIAL_GAIN more batches a second, fewer kept
+        unless the loop got fewer."""
         recent = sorted(self._rates[-3:]) or [0.0]
-        self._trial = Trial(self.workers, recent[len(recent) // 2], [])
-        return self._set_workers(at, new, f"{why}: {new} tried, kept if the loop gets "
-                                          f"{TRIAL_GAIN:.0%} more batches")
+        self._trial = Trial(self.workers, recent[len(recent) // 2], [], fewer)
+        return self._set_workers(at, new, f"{why}: {new} tried, kept " + (
+            "unless the loop gets fewer batches" if fewer else
+            f"if the loop gets {TRIAL_GAIN:.0%} more batches"))
 
     def _judge_trial(self, at: float, rate: float) -> list[Change]:
-        """One period of a trial: at its end, back to the count before it, unless it made
-        ``TRIAL_GAIN`` more batches a second."""
+        """One period of a trial: at its end, back to the count before it unless the trial
+        paid (``_try_workers``); the count shown no better is not tried again for RETRY_S."""
         trial = self._trial
         trial.rates.append(rate)
         if len(trial.rates) < TRIAL_PERIODS:
             return []
         self._trial = None
         got = sorted(trial.rates)[len(trial.rates) // 2]
-        if got >= trial.before * (1 + TRIAL_GAIN):
+        kept = got >= trial.before * (1.0 if trial.fewer else 1 + TRIAL_GAIN)
+        self._tried[trial.back_to if kept else self.workers] = at
+        if kept:
             self._rates = list(trial.rates)
             return []
-        self._tried[self.workers] = at
         return [self._set_workers(at, trial.back_to, f"{self.workers} workers made {got:.1f} "
                                   f"batches a second against {trial.before:.1f} with "
                                   f"{trial.back_to}")]
