@@ -258,6 +258,7 @@ def test_the_auto_arm_runs_a_sweep_around_yours_and_judges_auto_against_its_best
     dom = render(tmp_path / "index.html")
     assert said[0] in dom["answer"]
     assert {"auto-sweep", "auto"} <= set(dom["plots"]), dom["plots"]
+    assert "ratios" not in dom["plots"]  # no arm changed one thing: no empty plot for it
     assert all(w > 100 and h > 100 for w, h in dom["plots"].values())
 
 

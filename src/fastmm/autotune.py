@@ -395,7 +395,14 @@ class Tuner:
     def _try_workers(self, at: float, new: int, why: str, fewer: bool = False) -> Change:
         """Another count on trial for TRIAL_PERIODS, against the loop's rate before (the median
         of its last periods): more kept for TRIAL_GAIN more batches a second, fewer kept
-        unless the loop got fewer."""
+        unless the loop got fewer.
+
+        Args:
+            at: seconds since the tuner began.
+            new: the count tried.
+            why: what called for it, for the change's record.
+            fewer: a trial of fewer workers (else more).
+        """
         recent = sorted(self._rates[-3:]) or [0.0]
         self._trial = Trial(self.workers, recent[len(recent) // 2], [], fewer)
         return self._set_workers(at, new, f"{why}: {new} tried, kept " + (

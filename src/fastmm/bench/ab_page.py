@@ -177,11 +177,14 @@ def figures(result: dict, out: str) -> list[tuple]:
 
     arms = result["arms"]
     auto = _auto_figures(result["auto"]) if result.get("auto") else []
+    ratios = [(n, a["ratio"]) for n, a in arms.items() if a.get("ratio")]
     out_figures = [
-        ("ratios", plots.rates([(n, a["ratio"]) for n, a in arms.items() if a.get("ratio")],
-                               "samples/s, ratio to the arm it changes one thing of", ref=1.0),
+        ("ratios", plots.rates(ratios, "samples/s, ratio to the arm it changes one thing of",
+                               ref=1.0),
          "Each arm against its parent (the arm it differs from by one factor): median of the "
          "paired ratios, whiskers at its interval."),
+    ] if ratios else []
+    out_figures += [
         ("rates", plots.rates([(n, a["samples_per_s"]) for n, a in arms.items()], "samples/s"),
          "Samples per second in each arm's timed windows (end to end where the step runs)."),
     ]
