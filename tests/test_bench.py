@@ -22,7 +22,8 @@ from fastmm.bench import cli, harness, stats, workloads  # noqa: E402
 ENV_KEYS = {
     "timestamp_utc", "command", "argv", "cwd", "python", "python_implementation", "platform",
     "kernel", "versions", "fastmm_uses_cpp", "fastmm_transport", "cpu_model", "cpu_count_logical",
-    "cpu_count_usable", "ram_total_bytes", "ram_available_bytes_at_start", "dev_shm", "slab_dir",
+    "cpu_count_usable", "cgroup_cpu_quota_cores", "ram_total_bytes",
+    "ram_available_bytes_at_start", "dev_shm", "slab_dir",
     "torch_num_threads", "multiprocessing_start_method", "loadavg_at_start", "git", "loadavg_at_end",
     "fastmm_env", "numa_nodes", "gpus", "storage", "network", "loader_config",
     "training_code_git",
