@@ -658,7 +658,9 @@ def test_a_stopped_worker_is_killed_when_the_loader_goes(transport):
     next(it)
     stopped = it._workers[0].pid
     os.kill(stopped, signal.SIGSTOP)
-    with pytest.raises(RuntimeError, match="timed out"):
+    # stopped between batches, the loader's timeout says so; stopped while it held the slab
+    # pool's table (a lock of microseconds), the wait for the table does (docs/faults.md)
+    with pytest.raises(RuntimeError, match="timed out|held fastmm's slab table"):
         for _ in it:
             pass
     del it
