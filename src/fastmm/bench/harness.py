@@ -248,10 +248,18 @@ def wait_for_children(timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         alive = [c for c in psutil.Process().children(recursive=True)
-                 if c.pid not in helpers and c.status() != psutil.STATUS_ZOMBIE]
+                 if c.pid not in helpers and _alive(c)]
         if not alive or time.monotonic() > deadline:
             return len(alive)
         time.sleep(0.01)
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Not a zombie, and not gone since it was listed (a worker exiting as it is looked at)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @dataclass
