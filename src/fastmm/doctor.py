@@ -48,7 +48,9 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/sel
         return None
     quotas = []
     for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
             base, read = root, _v2_quota
             if not os.path.exists(os.path.join(root, "cgroup.controllers")):

@@ -101,18 +101,12 @@ def answer(result: dict) -> list[str]:
     return lines
 
 
-def _setting(key: str | None) -> str:
-    """"2,4" as the loader's arguments."""
-    if key is None:
-        return "none"
-    workers, prefetch = key.split(",")
-    return f"num_workers={workers}, prefetch_factor={prefetch}"
-
-
 def auto_answer(auto: dict) -> str:
+    from .tuning import setting_name
+
     s = auto["summary"]
     return (f"num_workers='auto' (fastmm): {stats.interval(s['ratio'], 3, 'x')} the rate of the "
-            f"best fixed setting of a sweep of {len(auto['settings'])} ({_setting(s['best'])}: "
+            f"best fixed setting of a sweep of {len(auto['settings'])} ({setting_name(s['best'])}: "
             f"{stats.interval(s['best_rate'], 1)} batches/s) over its last "
             f"{auto['seconds']:g} s, 95% of it reached at "
             f"{stats.interval(s['reached_s'], 1, ' s')} ({s['never_reached']} of "
@@ -134,7 +128,7 @@ def busy(result: dict) -> list[str]:
     worst = max((r["other_processes_cpu_cores"] or 0)
                 for r in [*rounds, *(r for a in arms.values() for r in a["reps"])])
     return [f"{sum(counts.values())} of {runs} timed runs ran while other processes used more "
-            f"than {result['method']['busy_cores']} cores (up to {worst:.2f}): "
+            f"than {bar} cores (up to {worst:.2f}): "
             + ", ".join(f"{n} ({k})" for n, k in counts.items())
             + ". Their rates may be low; run again on a quiet machine."]
 
@@ -213,7 +207,7 @@ def _auto_figures(auto: dict) -> list[tuple]:
     from . import plots, tuning
 
     s = auto["summary"]
-    rows = [(_setting(k), v) for k, v in s["fixed_rates"].items()]
+    rows = [(tuning.setting_name(k), v) for k, v in s["fixed_rates"].items()]
     out = [("auto-sweep", plots.rates(rows + [("num_workers='auto' (its last window)",
                                                 s["auto_rate"])], "batches/s"),
             f"Each fixed setting of the sweep (median over the rounds, {auto['seconds']:g} s "

@@ -106,13 +106,16 @@ class Workers:
     def __init__(self):
         self.peak = 0.0
         self._last = None  # (when, their CPU seconds then)
+        # the epoch's workers' pids, not its iterator: held here, that would keep them alive
+        self._pids: list[int] = []
+        self._read = read_processes(lambda: self._pids)
 
     def read(self, it) -> None:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < 1.0:
             return
-        total = read_processes(lambda: [w.pid for w in getattr(it, "_workers", None) or []
-                                        if w is not None])().workers_cpu_s
+        self._pids = [w.pid for w in getattr(it, "_workers", None) or [] if w is not None]
+        total = self._read().workers_cpu_s
         if self._last is not None:
             self.peak = max(self.peak, (total - self._last[1]) / (now - self._last[0]))
         self._last = (now, total)
@@ -242,7 +245,8 @@ def beside_a_busy_core(step, batch_size: int, seconds: float = 2.0) -> float:
 def round_of(pipe: Pipeline, settings: list[tuple[int, int]], r: int, seconds: float,
              auto_seconds: float, cpu_budget: float | None = None, say=None) -> dict:
     """One round: every fixed ``(num_workers, prefetch_factor)`` of ``settings`` and auto, in
-    the round's order. With a budget, the step is also timed alone just before auto runs."""
+    the round's order. With a budget, the step is also timed beside a busy core as the round
+    begins, and alone just before auto runs."""
     fixed, auto, alone, machine = {}, None, None, None
     if cpu_budget is not None:
         machine = beside_a_busy_core(pipe.step, pipe.batch_size)
@@ -253,7 +257,8 @@ def round_of(pipe: Pipeline, settings: list[tuple[int, int]], r: int, seconds: f
                 auto = run(pipe, "auto", None, seconds, auto_seconds=auto_seconds,
                            cpu_budget=cpu_budget)
                 last = judge_auto(auto, 1.0, seconds)["rate"] or 0.0
-                said = f"auto: {last:.1f} batches/s over its last window, at {auto['settled']}"
+                said = (f"auto: {last:.1f} batches/s over its last window, at "
+                        f"{settled_name(auto['settled'])}")
             else:
                 nw, pf = setting
                 fixed[f"{nw},{pf}"] = one = run(pipe, nw, pf, seconds)
@@ -279,6 +284,14 @@ def best_setting(rounds: list[dict], budget_cores: float | None) -> str | None:
         if median is not None:
             rates[key] = median["median"]
     return max(rates, key=rates.get) if rates else None
+
+
+def setting_name(key: str | None) -> str:
+    """A fixed setting's key in the sweep ("2,4") as the loader's arguments."""
+    if key is None:
+        return "none"
+    workers, prefetch = key.split(",")
+    return f"num_workers={workers}, prefetch_factor={prefetch}"
 
 
 def settled_name(settled: dict | None) -> str:
@@ -359,8 +372,8 @@ def figure(rounds: list[dict], summary: dict, seconds: float) -> tuple | None:
     return ("auto", plots.reaching({k: v for k, v in series.items() if v}, best, REACH,
                                    f"batches/s over the last {seconds:g} s"),
             f"num_workers='auto' from its constructor, each round (batches/s over a sliding "
-            f"{seconds:g} s window), against the best fixed setting (num_workers,prefetch_factor "
-            f"= {summary['best']}) at its median rate and {REACH:.0%} of it.")
+            f"{seconds:g} s window), against the best fixed setting "
+            f"({setting_name(summary['best'])}) at its median rate and {REACH:.0%} of it.")
 
 
 def finding(summaries: list[dict], auto_seconds: float) -> dict:
@@ -370,8 +383,8 @@ def finding(summaries: list[dict], auto_seconds: float) -> dict:
     for s in summaries:
         verdict, label = call(s)
         text = (f"{s['workload']}: auto's rate {stats.interval(s['ratio'], 3, 'x')} that of "
-                f"the best fixed setting (num_workers,prefetch_factor = {s['best']}, the highest "
-                f"median rate of the sweep), 95% of it "
+                f"the best fixed setting ({setting_name(s['best'])}, the highest median rate of "
+                f"the sweep), 95% of it "
                 f"reached at {stats.interval(s['reached_s'], 1, ' s')} "
                 f"({s['never_reached']} round(s) never) within {auto_seconds:g} s; settled "
                 f"at {s['settled_text']}")
