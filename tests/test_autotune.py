@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import time
 
 import pytest
 import torch
@@ -25,27 +26,28 @@ GiB = 2**30
 
 class Machine:
     """The tuner's view of a made-up machine: a clock, the CPU its workers used, the idle
-    (the loader's own CPU: its workers')."""
+    (the loader's own CPU: its workers'), their waits for tasks."""
 
     def __init__(self):
-        self.t = self.cpu = self.idle = self.own = 0.0
+        self.t = self.cpu = self.idle = self.own = self.tasks_waited = 0.0
 
     def clock(self) -> float:
         return self.t
 
     def read(self) -> Reading:
-        return Reading(self.cpu, self.idle, self.own)
+        return Reading(self.cpu, self.idle, self.own, self.tasks_waited)
 
     def period(self, tuner: Tuner, wait: float, cpu: float, idle: float,
                done: float = 0.0, batches: int = 1, loop: float = 0.0) -> list[Change]:
-        """One period in which the loop got ``batches`` and waited ``wait`` of the time
-        (while ``done`` of the workers had finished their batches), the workers used ``cpu``
-        cores, the loop's own process ``loop``, and ``idle`` cores were idle: the changes it
-        brought."""
-        tuner.waited(wait, done)
+        """One period in which the loop got ``batches`` and waited ``wait`` of the time, the
+        workers spent ``done`` of theirs waiting for a task with every batch they were given
+        made, used ``cpu`` cores, the loop's own process ``loop``, and ``idle`` cores were
+        idle: the changes it brought."""
+        tuner.waited(wait)
         for _ in range(batches - 1):
             assert tuner.tick() == []  # (within the period)
         self.t += 1.0
+        self.tasks_waited += done * tuner.workers
         self.cpu += cpu
         self.own += cpu + loop
         self.idle += idle
@@ -103,7 +105,7 @@ def test_no_more_workers_without_an_idle_core_but_a_deeper_prefetch_if_they_idle
     assert m.period(t, wait=0.3, cpu=1.9, idle=0.1) == []  # busy workers, no core to add
     assert _moves(m.period(t, wait=0.3, cpu=1.0, idle=0.1, done=0.5)) == [
         ("prefetch_factor", 2, 3)]
-    assert "50% of them had finished their batches" in t.changes[-1].why
+    assert "spent 50% of their time with every batch they were given made" in t.changes[-1].why
     m2 = Machine()
     t_fixed = _tuner(m2, auto_prefetch=False)
     assert m2.period(t_fixed, wait=0.3, cpu=1.0, idle=0.1, done=0.5) == []
@@ -116,9 +118,10 @@ def test_with_no_core_idle_one_more_worker_is_tried_and_kept_only_if_it_pays():
     assert _moves(m.period(t, 0.3, 1.9, 0.1, batches=20)) == [("num_workers", 2, 3)]
     assert "3 tried" in t.changes[-1].why
     m.period(t, 0.3, 1.9, 0.1, batches=20)  # settling
-    for batches in (20, 21, 20):  # no gain: back to 2
+    for batches in (20, 20, 20):  # no gain: back to 2
         changes = m.period(t, 0.3, 1.95, 0.05, batches=batches)
-    assert _moves(changes) == [("num_workers", 3, 2)] and "made 20.0" in changes[0].why
+    assert _moves(changes) == [("num_workers", 3, 2)]
+    assert "made 20.0 batches a second over 3 periods, +0% (+/- 0%)" in changes[0].why
     m.period(t, 0.3, 1.9, 0.1, batches=20)
     for _ in range(20):  # not tried again for a minute
         assert m.period(t, 0.3, 1.9, 0.1, batches=20) == []
@@ -131,6 +134,45 @@ def test_with_no_core_idle_one_more_worker_is_tried_and_kept_only_if_it_pays():
     for _ in range(3):
         assert m2.period(t2, 0.25, 1.95, 0.05, batches=22) == []  # 10% more: kept
     assert t2.workers == 3
+
+
+def test_a_trial_is_judged_beyond_the_noise_of_its_rates():
+    """Rates that vary from period to period: a trial whose mean is a few percent up runs on
+    to its most periods and is not kept; a trial clearly faster is kept; a trial of fewer
+    workers a little slower within the noise is kept."""
+    assert autotune.gain_and_noise([10, 10], [11, 11]) == (pytest.approx(0.1), 0.0)
+    gain, noise = autotune.gain_and_noise([9, 11, 10], [9.5, 11.5, 10.5])
+    assert gain == pytest.approx(0.05) and noise == pytest.approx(0.0816, abs=1e-3)
+    m = Machine()
+    t = _tuner(m, workers=2, auto_prefetch=False)
+    for batches in (18, 22):
+        m.period(t, 0.3, 1.9, 0.1, batches=batches)
+    assert t.workers == 3  # no core idle: one more on trial
+    m.period(t, 0.3, 1.9, 0.1, batches=20)  # settling
+    ran = 0
+    for batches in (23, 19, 21, 18, 22, 19, 23, 20):  # 20.6 against 20: +3% +/- 7%
+        ran += 1
+        if m.period(t, 0.3, 1.9, 0.1, batches=batches):
+            break
+    assert ran == autotune.TRIAL_MOST_PERIODS and t.workers == 2
+    assert "+3% (+/- " in t.changes[-1].why
+    m2 = Machine()
+    t2 = _tuner(m2, workers=2, auto_prefetch=False)
+    for batches in (18, 22):
+        m2.period(t2, 0.3, 1.9, 0.1, batches=batches)
+    m2.period(t2, 0.3, 1.9, 0.1, batches=20)  # settling
+    for batches in (26, 23, 25):  # +23% +/- 8%: kept after three
+        assert m2.period(t2, 0.2, 1.9, 0.1, batches=batches) == []
+    assert t2.workers == 3 and t2._trial is None
+    m3 = Machine()
+    t3 = _tuner(m3, workers=3, auto_prefetch=False)
+    for batches in (9, 11, 10):
+        m3.period(t3, 0.03, 1.5, 0.1, batches=batches, loop=1.2)
+    assert t3.workers == 2  # one fewer on trial
+    m3.period(t3, 0.03, 1.0, 0.1, batches=10, loop=1.2)  # settling
+    for batches in (10, 9, 11, 9, 10, 10, 9, 10):  # -3% +/- 6%: not shown slower
+        m3.period(t3, 0.03, 1.0, 0.1, batches=batches, loop=1.2)
+    assert t3.workers == 2 and not t3._trial
 
 
 def test_beside_a_cpu_heavy_step_one_fewer_worker_is_tried_and_kept_unless_slower():
@@ -462,6 +504,33 @@ def test_a_killed_worker_is_replaced_with_nothing_changed(four_cores, monkeypatc
         return out
 
     assert run({3, 9, 20, 41}) == run(set())
+
+
+class Phased(torch.utils.data.Dataset):
+    """Batches slow to make in one phase of five and quick in the next: the loop (slow in the
+    quick phase) waits for the worker at times, and the worker for the loop at others."""
+
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        time.sleep(0.06 if (i // 5) % 2 == 0 else 0.0)
+        return torch.tensor([i])
+
+
+def test_prefetch_deepens_where_the_worker_and_the_loop_wait_for_each_other_in_turn(
+        four_cores):
+    """One worker, in order: while it is ahead it has made every batch it was given, and waits
+    for the loop; while it is behind, the loop waits for it. A deeper prefetch lets it run on
+    while ahead, so "auto" deepens it."""
+    loader = fastmm.DataLoader(Phased(), batch_size=1, num_workers=1, prefetch_factor="auto")
+    began = time.monotonic()
+    for batch in loader:
+        time.sleep(0.0 if (int(batch) // 5) % 2 == 0 else 0.06)
+        if loader._tuner.prefetch > 2 or time.monotonic() - began > 20:
+            break
+    assert loader._tuner.prefetch > 2, loader._tuner.changes
+    assert "with every batch they were given made" in loader._tuner.changes[0].why
 
 
 def test_num_workers_set_again_after_the_loader_was_made_is_the_cap(four_cores, monkeypatch):

@@ -56,6 +56,9 @@ class Result(NamedTuple):
     rng: object  # the worker's RNG states after the task (encode_rng's) if it changed them
     iter_state: object  # an IterableDataset's resume.iter_state() after the task (resume.py)
     counts: object  # its row of the dataset's skip counts (offers.py) if the task changed it
+    # seconds it waited for the task after it had sent its last result (it had made every batch
+    # it was given: num_workers="auto" prefetches deeper where the loop waits too)
+    waited_s: float = 0.0
 
 
 class Restore(NamedTuple):

@@ -96,6 +96,10 @@ class Receiver:
         self.shm_checked = 0  # the largest pool size checked against free shared memory
         self.largest_slab = 0  # the largest slab a worker made, in bytes
         self.unsaid: list[str] = []  # findings to warn of at the next next()
+        # the workers' waits for a task with every batch they were given made (Result.waited_s),
+        # summed, each counted up to a second: one num_workers="auto" gave no batches for a
+        # while waited for the tuner, not for the loop
+        self.tasks_waited_s = 0.0
 
     def next_event(self, shared_seed: int) -> Arrived | WorkerResumed | Replaced:
         """The next thing the workers did, waiting at most the loader's ``timeout`` (then
@@ -191,6 +195,7 @@ class Receiver:
             return WorkerResumed(worker_id)
         record = self.records[worker_id]
         record.received += 1
+        self.tasks_waited_s += min(message.waited_s, 1.0)
         if message.counts is not None:
             record.counts = message.counts
         task = self.table.tasks.get(message.send_idx) or Sent(worker_id, None, None)

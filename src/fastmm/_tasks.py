@@ -122,12 +122,6 @@ class TaskTable:
     def handed_out(self, task: Sent) -> None:
         self.in_flight[task.worker_id] -= 1
 
-    def idle_share(self) -> float:
-        """The share of the workers tasks go to that owe no result now (the loop waits on
-        another's: with more tasks in flight they would have one)."""
-        owing = {task.worker_id for task in self.tasks.values() if task.pending}
-        return sum(1 for w in range(self.workers) if w not in owing) / self.workers
-
     def pending_of(self, worker_id: int) -> list[int]:
         """The tasks ``worker_id`` owes, in order (a replacement gets them again)."""
         return sorted(i for i, task in self.tasks.items()

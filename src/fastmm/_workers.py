@@ -269,6 +269,7 @@ class _Worker:
         self.counts_changes = resume.SentOnChange(
             lambda _: None if counters is None else counters.row(worker_id))
         self.ended = False  # its IterableDataset ran out this epoch
+        self.result_sent_at: float | None = None  # when it sent its last result this epoch
 
     def error(self):
         return ExceptionWrapper(where=f"in DataLoader worker process {self.spec.worker_id}")
@@ -300,6 +301,7 @@ class _Worker:
     def resume(self, message: Resume) -> None:
         self.spec.result_conn.send(Resumed())
         self.ended = False
+        self.result_sent_at = None
         if isinstance(self.dataset, IterDataPipe):
             self.shared_rng.manual_seed(message.shared_seed)
             self.dataset = _torch.apply_random_seed(self.dataset, self.shared_rng)
@@ -309,6 +311,7 @@ class _Worker:
 
     def answer(self, task: Task) -> None:
         """Fetch, collate and pack the task's batch into slabs, and send its Result."""
+        waited_s = 0.0 if self.result_sent_at is None else time.monotonic() - self.result_sent_at
         self.writer.loop_spare_s = task.spare_s
         self.writer.begin()
         if self.init_error is not None:  # worker_init_fn raised: the first task says so
@@ -343,7 +346,8 @@ class _Worker:
         self.spec.result_conn.send_bytes(pickle.dumps(
             Result(task.send_idx, status, payload, used, new,
                    None if rng is None else resume.encode_rng(rng),
-                   iter_state, self.counts_changes.changed()), pickle.DEFAULT_PROTOCOL))
+                   iter_state, self.counts_changes.changed(), waited_s), pickle.DEFAULT_PROTOCOL))
+        self.result_sent_at = time.monotonic()
 
     def fetch(self, index) -> _Outcome:
         try:

@@ -31,10 +31,12 @@ AUTO = "auto"
 PERIOD_S = 1.0  # one adjustment period
 WAITING = 0.05  # the loop waited this share of a period or more: it wants more workers
 NOT_WAITING = 0.01  # it waited less: maybe fewer do
-IDLE_WORKERS = 0.25  # while it waited, this share of the workers had nothing left to do
+IDLE_WORKERS = 0.25  # as batches were handed out, this share of the workers had none left to make
 CALM_PERIODS = 3  # periods without waiting before a worker is taken away
-TRIAL_PERIODS = 3  # a trial of more workers runs this many periods (after one settling)
-TRIAL_GAIN = 0.03  # and is kept where it made this much more batches a second
+TRIAL_PERIODS = 3  # a trial of another count runs this many periods at least (after one settling)
+TRIAL_MOST_PERIODS = 8  # and on, up to this many, while its gain is within its noise
+BEFORE_PERIODS = 5  # judged against the rates of this many periods before it, at most
+TRIAL_GAIN = 0.03  # more workers are kept where they made this much more batches a second
 RETRY_S = 60.0  # a count whose trial made nothing more is not tried again for this long
 STEP_CORES = 0.5  # the loop's own process used this many cores: its step competes with workers
 FIRST_PREFETCH = 2  # torch's default
@@ -171,19 +173,37 @@ class Trial(NamedTuple):
     where the loop is no slower (the cores they free go to a CPU-heavy step)."""
 
     back_to: int  # the count before it
-    before: float  # batches a second then (the median of the last periods)
+    before: list  # batches a second in each of the last periods before it
     rates: list  # batches a second in each period of the trial
     fewer: bool  # a trial of fewer workers
+
+
+def gain_and_noise(before: list, after: list) -> tuple[float, float]:
+    """How much faster ``after``'s periods ran than ``before``'s (their mean rates, as a
+    fraction of before's), and the standard error of that fraction from the periods' spread
+    (pooled over both; 0 with fewer than three periods in all). A period's rate varies with
+    the batches in it and with the machine: a trial is judged only beyond that."""
+    mean_b, mean_a = sum(before) / len(before), sum(after) / len(after)
+    if mean_b <= 0:
+        return math.inf, 0.0
+    dof = len(before) + len(after) - 2
+    if dof < 1:
+        return mean_a / mean_b - 1, 0.0
+    spread = (sum((r - mean_b) ** 2 for r in before) + sum((r - mean_a) ** 2 for r in after))
+    error = math.sqrt(spread / dof * (1 / len(before) + 1 / len(after)))
+    return mean_a / mean_b - 1, error / mean_b
 
 
 class Reading(NamedTuple):
     """Counters read at one moment (cumulative seconds): the workers' CPU time, summed; the
     idle time of the cores this process may run on, summed; the CPU time of the loader's
-    processes (the workers and this one), summed."""
+    processes (the workers and this one), summed; the time the workers waited for a task with
+    every batch they were given made, summed."""
 
     workers_cpu_s: float
     idle_cpu_s: float
     own_cpu_s: float
+    tasks_waited_s: float = 0.0
 
 
 def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
@@ -221,14 +241,15 @@ class Tuner:
 
     More workers while the loop waits for data and cores are idle (twice as many while it
     waits most of the time), or one more while it waits and no core is idle: on trial either
-    way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second; one fewer on trial
-    while the loop's own process uses ``STEP_CORES`` or more (its step competes with the
-    workers), kept unless the loop gets fewer batches; fewer once it has not waited for
-    ``CALM_PERIODS`` periods and one fewer carries the load (their CPU fits in one fewer),
-    never below a count at which it waited after such a cut; fewer at once when the workers
-    used more than ``cpu_budget``; a deeper prefetch while the loop waits though a quarter of
-    the workers or more had finished their batches (batch times vary: a slow one holds the
-    line), one less after ten periods without waiting.
+    way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second, beyond the noise
+    of its rates; one fewer on trial while the loop's own process uses ``STEP_CORES`` or
+    more (its step competes with the workers), kept unless the loop gets fewer batches;
+    fewer once it has not waited for ``CALM_PERIODS`` periods and one fewer carries the load
+    (their CPU fits in one fewer), never below a count at which it waited after such a cut;
+    fewer at once when the workers used more than ``cpu_budget``; a deeper prefetch while
+    the loop waits though the workers spent a quarter of their time or more with every batch
+    they were given made (batch times vary: the workers wait for the loop at times, and it
+    for them at others), one less after ten periods without waiting.
 
     Args:
         settings: what "auto" was asked for.
@@ -279,14 +300,12 @@ class Tuner:
 
     def _begin_period(self) -> None:
         self._period_start, self._last = self._clock(), self._read()
-        self._waited = self._waited_idle = 0.0
+        self._waited = 0.0
         self._batches = 0
 
-    def waited(self, seconds: float, idle_share: float = 0.0) -> None:
-        """The loop waited ``seconds`` for a batch while ``idle_share`` of the workers owed
-        no result (they had finished theirs: a deeper prefetch would have kept them busy)."""
+    def waited(self, seconds: float) -> None:
+        """The loop waited ``seconds`` for a batch."""
         self._waited += seconds
-        self._waited_idle += seconds * idle_share
 
     def tick(self) -> list[Change]:
         """A batch was handed out. Once a period has passed, the changes it calls for
@@ -298,7 +317,9 @@ class Tuner:
             return []
         reading = self._read()
         wait = self._waited / elapsed
-        idle_workers = self._waited_idle / self._waited if self._waited else 0.0
+        # the share of the workers' time spent waiting for a task, every batch given made
+        idle_workers = min(1.0, max(0.0, reading.tasks_waited_s - self._last.tasks_waited_s)
+                           / (elapsed * max(1, self.workers)))
         cpu = max(0.0, reading.workers_cpu_s - self._last.workers_cpu_s) / elapsed
         own = max(0.0, reading.own_cpu_s - self._last.own_cpu_s) / elapsed
         # idle cores this loader may use: a CPU quota (usable_cores) leaves host cores idle
@@ -329,8 +350,8 @@ class Tuner:
             wait: the share of the period the loop waited for batches.
             cpu: the cores the workers used.
             idle: the cores the machine left idle.
-            idle_workers: while the loop waited, the share of the workers with nothing left
-                to do.
+            idle_workers: the share of the workers' time they waited for a task with every
+                batch they were given made (the loop had not taken them yet).
             rate: batches handed out a second.
             loop_cpu: the cores the loop's own process used (its step, its reading).
         """
@@ -365,8 +386,9 @@ class Tuner:
                 if (s.prefetch and self.prefetch < MOST_PREFETCH
                         and self._room(n, self.prefetch + 1) is None):
                     return [self._set_prefetch(
-                        at, self.prefetch + 1, f"{said}; {idle_workers:.0%} of them had "
-                        "finished their batches meanwhile (batch times vary)")]
+                        at, self.prefetch + 1, f"{said}, though they spent {idle_workers:.0%} "
+                        "of their time with every batch they were given made (batch times "
+                        "vary)")]
             elif (s.workers and n < s.most and fits and idle < 0.5 and len(self._rates) >= 2
                   and self._may_try(at, n + 1)):
                 return [self._try_workers(at, n + 1, f"{said}; no core idle")]
@@ -393,9 +415,8 @@ class Tuner:
                 and self._room(workers, self.prefetch) is None)
 
     def _try_workers(self, at: float, new: int, why: str, fewer: bool = False) -> Change:
-        """Another count on trial for TRIAL_PERIODS, against the loop's rate before (the median
-        of its last periods): more kept for TRIAL_GAIN more batches a second, fewer kept
-        unless the loop got fewer.
+        """Another count on trial (``_judge_trial``) against the loop's rates before it (its
+        last BEFORE_PERIODS periods).
 
         Args:
             at: seconds since the tuner began.
@@ -403,29 +424,35 @@ class Tuner:
             why: what called for it, for the change's record.
             fewer: a trial of fewer workers (else more).
         """
-        recent = sorted(self._rates[-3:]) or [0.0]
-        self._trial = Trial(self.workers, recent[len(recent) // 2], [], fewer)
+        self._trial = Trial(self.workers, self._rates[-BEFORE_PERIODS:] or [0.0], [], fewer)
         return self._set_workers(at, new, f"{why}: {new} tried, kept " + (
             "unless the loop gets fewer batches" if fewer else
             f"if the loop gets {TRIAL_GAIN:.0%} more batches"))
 
     def _judge_trial(self, at: float, rate: float) -> list[Change]:
-        """One period of a trial: at its end, back to the count before it unless the trial
-        paid (``_try_workers``); the count shown no better is not tried again for RETRY_S."""
+        """One period of a trial. It runs TRIAL_PERIODS, and on to TRIAL_MOST_PERIODS while
+        its gain over the rates before is within one standard error (``gain_and_noise``) of
+        the bar: TRIAL_GAIN for more workers, none for fewer. More are kept only where the
+        gain is a standard error past the bar; fewer unless the loop got a standard error
+        slower. Else back to the count before it; the count shown no better is not tried
+        again for RETRY_S."""
         trial = self._trial
         trial.rates.append(rate)
-        if len(trial.rates) < TRIAL_PERIODS:
+        gain, noise = gain_and_noise(trial.before, trial.rates)
+        bar = 0.0 if trial.fewer else TRIAL_GAIN
+        if len(trial.rates) < TRIAL_PERIODS or (
+                abs(gain - bar) < noise and len(trial.rates) < TRIAL_MOST_PERIODS):
             return []
         self._trial = None
-        got = sorted(trial.rates)[len(trial.rates) // 2]
-        kept = got >= trial.before * (1.0 if trial.fewer else 1 + TRIAL_GAIN)
+        kept = gain >= -noise if trial.fewer else gain >= bar + noise
         self._tried[trial.back_to if kept else self.workers] = at
         if kept:
             self._rates = list(trial.rates)
             return []
-        return [self._set_workers(at, trial.back_to, f"{self.workers} workers made {got:.1f} "
-                                  f"batches a second against {trial.before:.1f} with "
-                                  f"{trial.back_to}")]
+        mean = sum(trial.rates) / len(trial.rates)
+        return [self._set_workers(at, trial.back_to, f"{self.workers} workers made {mean:.1f} "
+                                  f"batches a second over {len(trial.rates)} periods, "
+                                  f"{gain:+.0%} (+/- {noise:.0%}) against {trial.back_to}")]
 
     def _set_workers(self, at: float, new: int, why: str) -> Change:
         change = Change(round(at, 3), "num_workers", self.workers, new, why)
@@ -483,7 +510,9 @@ class Tuning:
                 settings, first_workers(settings) if settings.workers else table.num_workers,
                 loader.prefetch_factor)
         # (not the iterator: the loader keeps the tuner, and must not keep the iterator)
-        tuner.attach(read_processes(lambda: [p.pid for p in workers.started()]), receiver.room)
+        processes = read_processes(lambda: [p.pid for p in workers.started()])
+        tuner.attach(lambda: processes()._replace(tasks_waited_s=receiver.tasks_waited_s),
+                     receiver.room)
         self.tuner, self.seeded = tuner, settings.workers
         self._table, self._slab_pool = table, receiver.slab_pool
         self.changes: list[tuple[int, Change]] = []  # (time.monotonic_ns(), change), telemetry's
@@ -495,13 +524,14 @@ class Tuning:
 
     def timed_wait(self, wait, *args):
         """``wait(*args)`` (the loop waiting for a batch), its time told to the tuner."""
-        idle, began = self._table.idle_share(), time.perf_counter()
+        began = time.perf_counter()
         event = wait(*args)
-        self.tuner.waited(time.perf_counter() - began, idle)
+        self.tuner.waited(time.perf_counter() - began)
         return event
 
     def retune(self) -> bool:
-        """Apply what the tuner decided this period, if anything; whether it changed."""
+        """A batch was handed out: apply what the tuner decided this period, if anything;
+        whether it changed."""
         changes = self.tuner.tick()
         if not changes:
             return False
