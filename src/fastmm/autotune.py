@@ -288,8 +288,8 @@ class Tuner:
                room: Callable[[int, int], str | None]) -> None:
         """Measure a new iterator's workers (the loader keeps its tuner from one to the next:
         a new epoch starts where the last one settled). Its first period, with the workers
-        starting, is not judged, unless this is the loader's first."""
-        self._settling = self._read is not None
+        starting, is not judged: a rate from it would flatter the next count tried."""
+        self._settling = True
         self._read, self._room = read, room
         self._begin_period()
 
@@ -430,21 +430,24 @@ class Tuner:
             f"if the loop gets {TRIAL_GAIN:.0%} more batches"))
 
     def _judge_trial(self, at: float, rate: float) -> list[Change]:
-        """One period of a trial. It runs TRIAL_PERIODS, and on to TRIAL_MOST_PERIODS while
-        its gain over the rates before is within one standard error (``gain_and_noise``) of
-        the bar: TRIAL_GAIN for more workers, none for fewer. More are kept only where the
-        gain is a standard error past the bar; fewer unless the loop got a standard error
-        slower. Else back to the count before it; the count shown no better is not tried
-        again for RETRY_S."""
+        """One period of a trial, judged by its gain over the rates before it and that gain's
+        standard error (``gain_and_noise``) after TRIAL_PERIODS. More workers are kept where
+        the gain is TRIAL_GAIN and a standard error more, taken back where it is under
+        TRIAL_GAIN, and run on, to TRIAL_MOST_PERIODS, in between (then taken back). Fewer
+        are kept where the loop got no fewer batches, taken back where it got a standard
+        error fewer, and run on in between (then kept). The count shown no better is not
+        tried again for RETRY_S."""
         trial = self._trial
         trial.rates.append(rate)
         gain, noise = gain_and_noise(trial.before, trial.rates)
-        bar = 0.0 if trial.fewer else TRIAL_GAIN
-        if len(trial.rates) < TRIAL_PERIODS or (
-                abs(gain - bar) < noise and len(trial.rates) < TRIAL_MOST_PERIODS):
+        if trial.fewer:
+            unsure, kept = -noise <= gain < 0, gain >= -noise
+        else:
+            unsure, kept = TRIAL_GAIN <= gain < TRIAL_GAIN + noise, gain >= TRIAL_GAIN + noise
+        if len(trial.rates) < TRIAL_PERIODS or (unsure and
+                                                 len(trial.rates) < TRIAL_MOST_PERIODS):
             return []
         self._trial = None
-        kept = gain >= -noise if trial.fewer else gain >= bar + noise
         self._tried[trial.back_to if kept else self.workers] = at
         if kept:
             self._rates = list(trial.rates)
