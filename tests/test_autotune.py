@@ -338,6 +338,18 @@ def test_a_real_cgroup_quota_caps_the_usable_cores():
         os.rmdir(group)
 
 
+def test_idle_time_is_read_by_each_cpus_number(tmp_path):
+    """/proc/stat leaves offline CPUs out: CPU 2 is the second line when CPU 1 is offline."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 10 900 30 0 0 0 0 0\ncpu0 5 0 5 400 10 0 0 0 0 0\n"
+                    "cpu2 5 0 5 500 20 0 0 0 0 0\nintr 1 2 3\n")
+    tick = os.sysconf("SC_CLK_TCK")
+    assert autotune.idle_seconds({2}, str(stat)) == pytest.approx(520 / tick)
+    assert autotune.idle_seconds(None, str(stat)) == pytest.approx(930 / tick)
+    assert autotune.idle_seconds({1}, str(stat)) == 0
+    assert autotune.idle_seconds(None) > 0  # this machine's
+
+
 def test_the_cap_is_twice_the_cores_or_the_budgets_share_and_memory():
     assert autotune.most_workers(None, cores=16, available=64 * GiB) == 32
     assert autotune.most_workers(0.5, cores=16, available=64 * GiB) == 16

@@ -31,7 +31,7 @@ AUTO = "auto"
 PERIOD_S = 1.0  # one adjustment period
 WAITING = 0.05  # the loop waited this share of a period or more: it wants more workers
 NOT_WAITING = 0.01  # it waited less: maybe fewer do
-IDLE_WORKERS = 0.25  # as batches were handed out, this share of the workers had none left to make
+IDLE_WORKERS = 0.25  # the workers waited this share of their time with every batch given made
 CALM_PERIODS = 3  # periods without waiting before a worker is taken away
 TRIAL_PERIODS = 3  # a trial of another count runs this many periods at least (after one settling)
 TRIAL_MOST_PERIODS = 8  # and on, up to this many, while its gain is within its noise
@@ -208,8 +208,8 @@ class Reading(NamedTuple):
 
 def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
     """A reader of the workers' CPU time (``pids()``: the started workers' pids), of the idle
-    time of this process's cores (its affinity), and of this process's CPU time, from /proc
-    through psutil."""
+    time of this process's cores (its affinity: ``idle_seconds``), and of this process's CPU
+    time, from /proc (the processes' through psutil)."""
     import psutil
 
     try:
@@ -226,13 +226,32 @@ def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
                 used += times.user + times.system
             except (psutil.Error, OSError):
                 pass  # gone: its replacement counts from its own start
-        per_core = psutil.cpu_times(percpu=True)
-        idle = sum(c.idle + getattr(c, "iowait", 0.0)
-                   for i, c in enumerate(per_core) if mine is None or i in mine)
         times = me.cpu_times()
-        return Reading(used, idle, used + times.user + times.system)
+        return Reading(used, idle_seconds(mine), used + times.user + times.system)
 
     return read
+
+
+def idle_seconds(cpus: set | None, stat: str = "/proc/stat") -> float:
+    """The idle and I/O-wait seconds of the CPUs numbered ``cpus`` (all where None), summed,
+    from ``stat``, whose lines name their CPU (psutil's per-CPU list leaves offline CPUs out,
+    so a place in it is not a CPU's number)."""
+    try:
+        with open(stat) as f:
+            lines = f.read().splitlines()
+    except OSError:  # (not Linux)
+        import psutil
+
+        times = psutil.cpu_times()
+        return times.idle + getattr(times, "iowait", 0.0)
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = 0
+    for line in lines:
+        name, *fields = line.split()
+        if (name[:3] == "cpu" and name[3:].isdigit() and len(fields) >= 5
+                and (cpus is None or int(name[3:]) in cpus)):
+            idle += int(fields[3]) + int(fields[4])  # idle, iowait
+    return idle / tick
 
 
 class Tuner:
