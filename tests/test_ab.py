@@ -245,13 +245,14 @@ def test_the_auto_arm_runs_a_sweep_around_yours_and_judges_auto_against_its_best
     result = json.loads((tmp_path / "results.json").read_text())
     auto = result["auto"]
     assert [3, 3] in auto["settings"] and [1, 2] in auto["settings"]
-    assert len(auto["rounds"]) == 3 and auto["auto_seconds"] == 3
+    assert len(auto["sweep"]) == 3 and len(auto["rounds"]) == 3 and auto["auto_seconds"] == 3
     keys = {f"{w},{p}" for w, p in auto["settings"]}
-    for r in auto["rounds"]:
-        assert set(r["fixed"]) == keys and r["auto"]["times"][-1] >= 3
-        assert r["auto"]["settled"]["num_workers"] >= 1
+    assert all(set(r["fixed"]) == keys for r in auto["sweep"])
     s = auto["summary"]
     assert s["best"] in keys and s["same_first_batch"], s
+    for r in auto["rounds"]:  # the best just before auto and just after it
+        assert r["before"]["rate"] > 0 and r["after"]["rate"] > 0
+        assert r["auto"]["times"][-1] >= 3 and r["auto"]["settled"]["num_workers"] >= 1
     assert auto["call"] in ab.CALLS and "range of 3" in auto["label"]  # no 95% CI from 3
     said = [line for line in result["answer"] if line.startswith("num_workers='auto'")]
     assert said and stats.interval(s["ratio"], 3, "x") in said[0]

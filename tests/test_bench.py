@@ -979,22 +979,25 @@ def test_state_cost_run_times_state_dict_for_both_loaders(tmp_path):
 
 @pytest.mark.slow
 def test_tuning_run_sweeps_fixed_settings_and_judges_auto_against_the_best(tmp_path):
-    """The auto-against-a-sweep benchmark (here small): every fixed setting's rate, auto's
-    batch times and changes, its rate against the round's best, and a finding."""
+    """The auto-against-a-sweep benchmark (here small): every fixed setting's rate in the
+    sweep, then auto's batch times and changes between two runs of the sweep's best, its rate
+    against theirs, and a finding."""
     from fastmm.bench import tuning
 
     out = tmp_path / "out"
     assert tuning.main(["--quick", "--workloads", "transport", "--num-workers", "1,2",
-                        "--prefetch-factors", "2", "--auto-seconds", "4", "--out",
-                        str(out)]) == 0
+                        "--prefetch-factors", "2", "--auto-seconds", "4", "--sweep-rounds", "2",
+                        "--out", str(out)]) == 0
     result = json.loads((out / "tuning.json").read_text())
-    (r,) = result["rounds"]["transport"]
+    sweep, (r,) = result["rounds"]["transport"]["sweep"], result["rounds"]["transport"]["rounds"]
     (summary,) = result["summaries"]
-    assert set(r["fixed"]) == {"1,2", "2,2"} and all(v["rate"] > 0 for v in r["fixed"].values())
+    assert len(sweep) == 2 and all(set(s["fixed"]) == {"1,2", "2,2"} for s in sweep)
+    assert all(v["rate"] > 0 for s in sweep for v in s["fixed"].values())
     best = summary["best"]
-    assert best == max(r["fixed"], key=lambda k: r["fixed"][k]["rate"])  # (one round)
+    assert best == max(["1,2", "2,2"], key=lambda k: sum(s["fixed"][k]["rate"] for s in sweep))
     assert r["auto"]["times"][-1] >= 4
-    assert r["judged"]["ratio"] == pytest.approx(r["judged"]["rate"] / r["fixed"][best]["rate"])
+    between = (r["before"]["rate"] + r["after"]["rate"]) / 2
+    assert r["judged"]["ratio"] == pytest.approx(r["judged"]["rate"] / between)
     assert r["auto"]["settled"]["num_workers"] >= 1
     assert "auto's rate" in result["finding"]["text"] and (out / "report.html").exists()
 
@@ -1010,7 +1013,7 @@ def test_tuning_within_a_budget_times_the_step_alone_beside_a_busy_core_and_unde
                         "--prefetch-factors", "2", "--auto-seconds", "3", "--cpu-budget", "0.5",
                         "--step-ms", "5", "--out", str(out)]) == 0
     result = json.loads((out / "tuning.json").read_text())
-    (r,) = result["rounds"]["transport"]
+    (r,) = result["rounds"]["transport"]["rounds"]
     assert r["step_alone_s"] > 0 and r["step_beside_a_busy_core"] > 0
     assert r["auto"]["step_s"] > 0 and r["auto"]["workers_cpu_peak"] > 0
     (summary,) = result["summaries"]

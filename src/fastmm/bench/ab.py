@@ -665,8 +665,9 @@ def _measure(args, dataset, step, collate_fn, log, pipeline, stage_dir, started)
 
 def tuned(args, dataset, step, collate_fn, log, deterministic: bool) -> dict:
     """The auto arm: fastmm's loader with num_workers="auto" against the best fixed
-    ``(num_workers, prefetch_factor)`` of a sweep around the user's (bench.tuning), in rounds
-    of their own after the other arms', the settings in a new order each round."""
+    ``(num_workers, prefetch_factor)`` of a sweep around the user's, the method of
+    bench.tuning after the other arms: the sweep's rounds, then ``--reps`` rounds of the best,
+    auto and the best again."""
     from . import tuning
 
     pipe = tuning.Pipeline(dataset, args.batch_size, step, collate_fn, args.pin_memory,
@@ -674,17 +675,17 @@ def tuned(args, dataset, step, collate_fn, log, deterministic: bool) -> dict:
     settings = list(itertools.product(
         tuning.worker_counts(env.usable_cores(), args.num_workers),
         sorted({2, 4, args.prefetch_factor})))
-    log(f"auto: {args.reps} rounds of num_workers='auto' ({args.auto_seconds:g} s) and "
-        f"{len(settings)} fixed settings (windows of {args.seconds:g} s)")
-    rounds = [tuning.round_of(pipe, settings, r, args.seconds, args.auto_seconds,
-                              say=lambda text: log(f"[auto] {text}"))
-              for r in range(args.reps)]
-    summary = tuning.summary_of(rounds, args.seconds)
-    call, label = tuning.call(summary)
-    if deterministic and not summary["same_first_batch"]:
+    sweep_rounds = min(args.reps, tuning.SWEEP_ROUNDS)
+    log(f"auto: {sweep_rounds} rounds of {len(settings)} fixed settings (windows of "
+        f"{args.seconds:g} s), then {args.reps} of the best, num_workers='auto' "
+        f"({args.auto_seconds:g} s) and the best again")
+    done = tuning.study(pipe, settings, sweep_rounds, args.reps, args.seconds, args.auto_seconds,
+                        say=lambda text: log(f"[auto] {text}"))
+    call, label = tuning.call(done["summary"])
+    if deterministic and not done["summary"]["same_first_batch"]:
         call, label = "roll back", label + "; but its first batch differed from round to round"
     return {"settings": settings, "seconds": args.seconds, "auto_seconds": args.auto_seconds,
-            "rounds": rounds, "summary": summary, "call": call, "label": label}
+            **done, "call": call, "label": label}
 
 
 def _slug(name: str) -> str:

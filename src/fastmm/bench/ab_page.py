@@ -107,8 +107,8 @@ def auto_answer(auto: dict) -> str:
     s = auto["summary"]
     return (f"num_workers='auto' (fastmm): {stats.interval(s['ratio'], 3, 'x')} the rate of the "
             f"best fixed setting of a sweep of {len(auto['settings'])} ({setting_name(s['best'])}: "
-            f"{stats.interval(s['best_rate'], 1)} batches/s) over its last "
-            f"{auto['seconds']:g} s, 95% of it reached at "
+            f"{stats.interval(s['best_rate'], 1)} batches/s, run just before and just after "
+            f"auto) over its last {auto['seconds']:g} s, 95% of it reached at "
             f"{stats.interval(s['reached_s'], 1, ' s')} ({s['never_reached']} of "
             f"{len(auto['rounds'])} rounds never within {auto['auto_seconds']:g} s); settled at "
             f"{s['settled_text']}. Call: {auto['call']} ({auto['label']}).")
@@ -243,9 +243,11 @@ def write_page(result: dict, out: str) -> str:
         auto = result["auto"]
         p.heading("num_workers='auto' against a sweep of fixed settings")
         p.text(auto_answer(auto))
-        p.table(["round", "auto: batches/s, last window", "95% of best reached at",
-                 "settled at", "changes"],
-                [[str(i + 1), f"{r['judged'].get('rate') or 0:.1f}",
+        p.table(["round", "best fixed before, after: batches/s",
+                 "auto: batches/s, last window", "95% of best reached at", "settled at",
+                 "changes"],
+                [[str(i + 1), f"{r['before']['rate'] or 0:.1f}, {r['after']['rate'] or 0:.1f}",
+                  f"{r['judged'].get('rate') or 0:.1f}",
                   "never" if r["judged"].get("reached_s") is None
                   else f"{r['judged']['reached_s']:.1f} s",
                   settled_name(r["auto"]["settled"]),

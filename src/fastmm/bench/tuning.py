@@ -1,13 +1,14 @@
 """``num_workers="auto"`` against the best fixed setting of a sweep, side by side in one run
 (issue 55).
 
-Each round, for each workload, fastmm's DataLoader runs every fixed ``(num_workers,
-prefetch_factor)`` of the sweep for ``--seconds`` (after one batch per worker and a settling
-second), and ``num_workers="auto"`` for ``--auto-seconds`` from its constructor, every batch's
-time kept; the settings (auto among them) run in a new order each round. The finding: auto's
-rate over the last ``--seconds`` of its run against the rate of the best fixed setting (the
-highest median over the rounds, one choice for all of them), paired per round, and when
-auto's rate over a ``--seconds`` window first reached 95% of it.
+First the sweep: for each workload, ``--sweep-rounds`` rounds of every fixed ``(num_workers,
+prefetch_factor)`` for ``--seconds`` each (after one batch per worker and a settling second),
+in a new order each round; the best fixed setting is the one with the highest median rate.
+Then ``--rounds`` judged rounds, each the best fixed setting, ``num_workers="auto"`` for
+``--auto-seconds`` from its constructor (every batch's time kept), and the best fixed setting
+again: auto meets the best at the pace the machine has that minute. The finding: auto's rate
+over the last ``--seconds`` of its run against the mean of the two runs around it, paired per
+round, and when auto's rate over a ``--seconds`` window first reached 95% of it.
 
 Workloads: ``decode`` (PIL + v2 crop and flip over the generated JPEG corpus, batch 32, the
 loop reading every byte), ``transport`` (a fresh clone of a 16x3x224x224 uint8 clip per sample,
@@ -42,6 +43,7 @@ from .harness import OtherCores, rotated, wait_for_children
 from .report import busy_notes, save_study
 from .workloads import digest, sum64
 
+SWEEP_ROUNDS = 3  # rounds of the sweep that choose the best fixed setting, by default
 REACH = 0.95  # auto's rate within the time it is given, at least this much of the best fixed
 STEP_GROWTH_BAR = 1.10  # with a budget: the step's own time at most this much of it alone
 
@@ -242,41 +244,48 @@ def beside_a_busy_core(step, batch_size: int, seconds: float = 2.0) -> float:
     return sorted(beside)[1] / sorted(alone)[1]
 
 
-def round_of(pipe: Pipeline, settings: list[tuple[int, int]], r: int, seconds: float,
-             auto_seconds: float, cpu_budget: float | None = None, say=None) -> dict:
-    """One round: every fixed ``(num_workers, prefetch_factor)`` of ``settings`` and auto, in
-    the round's order. With a budget, the step is also timed beside a busy core as the round
-    begins, and alone just before auto runs."""
-    fixed, auto, alone, machine = {}, None, None, None
-    if cpu_budget is not None:
-        machine = beside_a_busy_core(pipe.step, pipe.batch_size)
+def sweep_round(pipe: Pipeline, settings: list[tuple[int, int]], r: int, seconds: float,
+                say=None) -> dict:
+    """One round of the sweep: every fixed ``(num_workers, prefetch_factor)``, in the round's
+    order."""
+    fixed = {}
     with OtherCores() as others:
-        for setting in rotated([*settings, "auto"], r):
-            if setting == "auto":
-                alone = step_alone(pipe.step, pipe.batch_size) if cpu_budget is not None else None
-                auto = run(pipe, "auto", None, seconds, auto_seconds=auto_seconds,
-                           cpu_budget=cpu_budget)
-                last = judge_auto(auto, 1.0, seconds)["rate"] or 0.0
-                said = (f"auto: {last:.1f} batches/s over its last window, at "
-                        f"{settled_name(auto['settled'])}")
-            else:
-                nw, pf = setting
-                fixed[f"{nw},{pf}"] = one = run(pipe, nw, pf, seconds)
-                said = f"num_workers={nw} prefetch_factor={pf}: {one['rate'] or 0:.1f} batches/s"
+        for nw, pf in rotated(settings, r):
+            fixed[f"{nw},{pf}"] = one = run(pipe, nw, pf, seconds)
             if say:
-                say(f"round {r + 1}: {said}")
-    return {"fixed": fixed, "auto": auto, "step_alone_s": alone,
-            "step_beside_a_busy_core": machine,
-            "other_processes_cpu_cores": others.cores}
+                say(f"sweep round {r + 1}: num_workers={nw} prefetch_factor={pf}: "
+                    f"{one['rate'] or 0:.1f} batches/s")
+    return {"fixed": fixed, "other_processes_cpu_cores": others.cores}
 
 
-def best_setting(rounds: list[dict], budget_cores: float | None) -> str | None:
-    """The fixed setting with the highest median rate over the rounds (one choice for every
-    round: the best of each round alone would be chosen by its noise too), among those whose
-    workers used at most ``budget_cores`` in any second, in every round."""
+def judged_round(pipe: Pipeline, best: str, r: int, seconds: float, auto_seconds: float,
+                 cpu_budget: float | None = None, say=None) -> dict:
+    """One judged round: the best fixed setting just before auto and again just after it, so
+    that auto meets it at the machine's pace of that minute (a VM's drifts from minute to
+    minute by more than the 5% judged). With a budget, the step is also timed beside a busy
+    core as the round begins, and alone just before auto runs."""
+    nw, pf = (int(x) for x in best.split(","))
+    machine = beside_a_busy_core(pipe.step, pipe.batch_size) if cpu_budget is not None else None
+    with OtherCores() as others:
+        before = run(pipe, nw, pf, seconds)
+        alone = step_alone(pipe.step, pipe.batch_size) if cpu_budget is not None else None
+        auto = run(pipe, "auto", None, seconds, auto_seconds=auto_seconds, cpu_budget=cpu_budget)
+        after = run(pipe, nw, pf, seconds)
+    if say:
+        last = judge_auto(auto, 1.0, seconds)["rate"] or 0.0
+        say(f"round {r + 1}: {setting_name(best)} {before['rate'] or 0:.1f}, then auto "
+            f"{last:.1f} over its last window at {settled_name(auto['settled'])}, then "
+            f"{after['rate'] or 0:.1f} batches/s")
+    return {"before": before, "auto": auto, "after": after, "step_alone_s": alone,
+            "step_beside_a_busy_core": machine, "other_processes_cpu_cores": others.cores}
+
+
+def best_setting(sweep: list[dict], budget_cores: float | None) -> str | None:
+    """The fixed setting with the highest median rate over the sweep's rounds, among those
+    whose workers used at most ``budget_cores`` in any second, in every round."""
     rates = {}
-    for key in rounds[0]["fixed"]:
-        runs = [r["fixed"][key] for r in rounds]
+    for key in sweep[0]["fixed"]:
+        runs = [r["fixed"][key] for r in sweep]
         if budget_cores is not None and any(
                 run["workers_cpu_peak"] > budget_cores * 1.05 for run in runs):
             continue
@@ -284,6 +293,29 @@ def best_setting(rounds: list[dict], budget_cores: float | None) -> str | None:
         if median is not None:
             rates[key] = median["median"]
     return max(rates, key=rates.get) if rates else None
+
+
+def best_rate(r: dict) -> float | None:
+    """A judged round's rate of the best fixed setting: the mean of its run before auto and
+    its run after."""
+    rates = [r["before"]["rate"], r["after"]["rate"]]
+    return None if None in rates else sum(rates) / 2
+
+
+def study(pipe: Pipeline, settings: list[tuple[int, int]], sweep_rounds: int, rounds: int,
+          seconds: float, auto_seconds: float, cpu_budget: float | None = None,
+          say=None) -> dict:
+    """The sweep's rounds, its best fixed setting (within the budget), then the judged rounds
+    of auto against it, and their summary."""
+    budget_cores = None if cpu_budget is None else cpu_budget * env.usable_cores()
+    sweep = [sweep_round(pipe, settings, r, seconds, say) for r in range(sweep_rounds)]
+    best = best_setting(sweep, budget_cores)
+    if say:
+        say(f"best of the sweep: {setting_name(best)}")
+    judged = [judged_round(pipe, best, r, seconds, auto_seconds, cpu_budget, say)
+              for r in range(rounds)] if best else []
+    return {"sweep": sweep, "rounds": judged,
+            "summary": summary_of(sweep, best, judged, seconds, budget_cores)}
 
 
 def setting_name(key: str | None) -> str:
@@ -311,11 +343,11 @@ def settled_text(settled: list[dict | None]) -> str:
                      for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def summary_of(rounds: list[dict], seconds: float, budget_cores: float | None = None) -> dict:
-    """Auto against the best fixed setting, paired per round; and whether auto's first batch
-    was the same in every round (its seeds are per batch: whatever the tuner did)."""
-    best = best_setting(rounds, budget_cores)
-    judged = [judge_auto(r["auto"], r["fixed"][best]["rate"], seconds) if best else {}
+def summary_of(sweep: list[dict], best: str | None, rounds: list[dict], seconds: float,
+               budget_cores: float | None = None) -> dict:
+    """Auto against the best fixed setting, paired per judged round; and whether auto's first
+    batch was the same in every round (its seeds are per batch: whatever the tuner did)."""
+    judged = [judge_auto(r["auto"], best_rate(r), seconds) if best_rate(r) else {}
               for r in rounds]
     for r, j in zip(rounds, judged):
         r["judged"] = j
@@ -324,10 +356,9 @@ def summary_of(rounds: list[dict], seconds: float, budget_cores: float | None = 
                              if r["step_alone_s"] and r["auto"]["step_s"])
     machine = stats.summarize(r.get("step_beside_a_busy_core") for r in rounds)
     return {"best": best,
-            "best_rate": stats.summarize(r["fixed"][best]["rate"] for r in rounds) if best
-            else None,
-            "fixed_rates": {k: stats.summarize(r["fixed"][k]["rate"] for r in rounds)
-                            for k in rounds[0]["fixed"]},
+            "best_rate": stats.summarize(best_rate(r) for r in rounds),
+            "fixed_rates": {k: stats.summarize(r["fixed"][k]["rate"] for r in sweep)
+                            for k in sweep[0]["fixed"]},
             "auto_rate": stats.summarize(j.get("rate") for j in judged),
             "ratio": stats.summarize(j.get("ratio") for j in judged),
             "reached_s": stats.summarize(reached),
@@ -429,32 +460,34 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch-factors", type=options.listed(int), default=[2, 4])
     p.add_argument("--seconds", type=options.number(0.0), default=5.0)
     p.add_argument("--auto-seconds", type=options.number(0.0), default=30.0)
-    p.add_argument("--rounds", type=options.whole(1), default=6)
+    p.add_argument("--sweep-rounds", type=options.whole(1), default=SWEEP_ROUNDS,
+                   help="rounds of the sweep that choose the best fixed setting")
+    p.add_argument("--rounds", type=options.whole(1), default=6,
+                   help="judged rounds: the best fixed setting, auto, the best again")
     p.add_argument("--images", type=options.whole(1), default=500)
     p.add_argument("--cpu-budget", type=options.number(0.0, below=1.0 + 1e-9), default=None,
                    help="a CPU-bound step of --step-ms beside the loader, auto within this "
                    "fraction of the cores")
     p.add_argument("--step-ms", type=options.number(0.0), default=20.0)
     p.add_argument("--quick", action="store_true", help="1 round, 1 s windows, auto 6 s")
-    args = options.parse(p, argv, {"rounds": 1, "seconds": 1.0, "auto_seconds": 6.0,
-                                   "images": 64})
+    args = options.parse(p, argv, {"rounds": 1, "sweep_rounds": 1, "seconds": 1.0,
+                                   "auto_seconds": 6.0, "images": 64})
     if "dataset" in args.workloads and not args.dataset:
         p.error("the 'dataset' workload needs --dataset MODULE:CALLABLE")
     cores = env.usable_cores()
     settings = list(itertools.product(args.num_workers or worker_counts(cores),
                                       args.prefetch_factors))
     busy = busy_step(args.step_ms) if args.cpu_budget is not None else None
-    budget_cores = None if args.cpu_budget is None else args.cpu_budget * cores
     per, summaries, figures = {}, [], []
     for name in args.workloads:
         pipe = _workload(name, args)
         if busy is not None:
             pipe.step = busy
-        per[name] = rounds = [round_of(pipe, settings, r, args.seconds, args.auto_seconds,
-                                       args.cpu_budget, functools.partial(_say, name))
-                              for r in range(args.rounds)]
-        summaries.append({"workload": name} | summary_of(rounds, args.seconds, budget_cores))
-        plot = figure(rounds, summaries[-1], args.seconds)
+        per[name] = done = study(pipe, settings, args.sweep_rounds, args.rounds, args.seconds,
+                                 args.auto_seconds, args.cpu_budget,
+                                 functools.partial(_say, name))
+        summaries.append({"workload": name} | done.pop("summary"))
+        plot = figure(done["rounds"], summaries[-1], args.seconds)
         if plot:
             figures.append((f"{name}-{plot[0]}", *plot[1:]))
     result = {"environment": env.capture(env.module_argv(__spec__, __name__)),
@@ -462,7 +495,8 @@ def main(argv=None) -> int:
               "cpu_budget": args.cpu_budget, "step_ms": args.step_ms if args.cpu_budget else None,
               "rounds": per, "summaries": summaries,
               "busy": busy_notes("tuning", [r["other_processes_cpu_cores"]
-                                            for rounds in per.values() for r in rounds])}
+                                            for done in per.values()
+                                            for r in done["sweep"] + done["rounds"]])}
     result["finding"] = finding(summaries, args.auto_seconds)
     rows = [[s["workload"], stats.interval(s["ratio"], 3, "x"),
              stats.interval(s["reached_s"], 1, " s"), str(s["never_reached"]),
@@ -473,9 +507,10 @@ def main(argv=None) -> int:
                 "best fixed (num_workers,prefetch_factor): batches/s", "auto: batches/s",
                 "auto settled at"],
                rows, [f"Command: `{result['environment']['command']}`. Sweep: "
-                      f"{', '.join(f'{w},{p}' for w, p in settings)}; windows of "
-                      f"{args.seconds:g} s; auto ran {args.auto_seconds:g} s from its "
-                      "constructor."], figures)
+                      f"{', '.join(f'{w},{p}' for w, p in settings)}, {args.sweep_rounds} "
+                      f"rounds; windows of {args.seconds:g} s; then {args.rounds} rounds of "
+                      f"the best, auto for {args.auto_seconds:g} s from its constructor, and "
+                      "the best again."], figures)
     return 0
 
 
