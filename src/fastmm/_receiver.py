@@ -14,6 +14,7 @@ from ._messages import Result, Resume, Resumed
 from ._processes import STATUS_CHECK_INTERVAL_S, WorkerProcesses
 from ._respawn import Respawner
 from ._tasks import Sent, TaskTable, WorkerRecord
+from .autotune import PERIOD_S
 from .slabs import SlabPool
 
 
@@ -97,8 +98,8 @@ class Receiver:
         self.largest_slab = 0  # the largest slab a worker made, in bytes
         self.unsaid: list[str] = []  # findings to warn of at the next next()
         # the workers' waits for a task with every batch they were given made (Result.waited_s),
-        # summed, each counted up to a second: one num_workers="auto" gave no batches for a
-        # while waited for the tuner, not for the loop
+        # summed, each counted up to one adjustment period: one num_workers="auto" gave no
+        # batches for a while waited for the tuner, not for the loop
         self.tasks_waited_s = 0.0
 
     def next_event(self, shared_seed: int) -> Arrived | WorkerResumed | Replaced:
@@ -195,7 +196,7 @@ class Receiver:
             return WorkerResumed(worker_id)
         record = self.records[worker_id]
         record.received += 1
-        self.tasks_waited_s += min(message.waited_s, 1.0)
+        self.tasks_waited_s += min(message.waited_s, PERIOD_S)
         if message.counts is not None:
             record.counts = message.counts
         task = self.table.tasks.get(message.send_idx) or Sent(worker_id, None, None)

@@ -36,7 +36,8 @@ CALM_PERIODS = 3  # periods without waiting before a worker is taken away
 TRIAL_PERIODS = 3  # a trial of another count runs this many periods at least (after one settling)
 TRIAL_MOST_PERIODS = 8  # and on, up to this many, while its gain is within its noise
 BEFORE_PERIODS = 5  # judged against the rates of this many periods before it, at most
-TRIAL_GAIN = 0.03  # more workers are kept where they made this much more batches a second
+TRIAL_GAIN = 0.03  # more workers kept where they made this much more batches a second, fewer
+# where they made less than this much fewer
 RETRY_S = 60.0  # a count whose trial made nothing more is not tried again for this long
 STEP_CORES = 0.5  # the loop's own process used this many cores: its step competes with workers
 FIRST_PREFETCH = 2  # torch's default
@@ -170,7 +171,7 @@ class Change(NamedTuple):
 class Trial(NamedTuple):
     """Another worker count tried: more kept where they make the loop faster (idle cores may
     be the step's own, between its parallel parts: more workers there slow it); fewer kept
-    where the loop is no slower (the cores they free go to a CPU-heavy step)."""
+    where the loop is not TRIAL_GAIN slower (the cores they free go to a CPU-heavy step)."""
 
     back_to: int  # the count before it
     before: list  # batches a second in each of the last periods before it
@@ -262,7 +263,7 @@ class Tuner:
     waits most of the time), or one more while it waits and no core is idle: on trial either
     way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second, beyond the noise
     of its rates; one fewer on trial while the loop's own process uses ``STEP_CORES`` or
-    more (its step competes with the workers), kept unless the loop gets fewer batches;
+    more (its step competes with the workers), kept unless the loop loses ``TRIAL_GAIN``;
     fewer once it has not waited for ``CALM_PERIODS`` periods and one fewer carries the load
     (their CPU fits in one fewer), never below a count at which it waited after such a cut;
     fewer at once when the workers used more than ``cpu_budget``; a deeper prefetch while
@@ -445,7 +446,7 @@ class Tuner:
         """
         self._trial = Trial(self.workers, self._rates[-BEFORE_PERIODS:] or [0.0], [], fewer)
         return self._set_workers(at, new, f"{why}: {new} tried, kept " + (
-            "unless the loop gets fewer batches" if fewer else
+            f"unless the loop gets {TRIAL_GAIN:.0%} fewer batches" if fewer else
             f"if the loop gets {TRIAL_GAIN:.0%} more batches"))
 
     def _judge_trial(self, at: float, rate: float) -> list[Change]:
@@ -453,14 +454,15 @@ class Tuner:
         standard error (``gain_and_noise``) after TRIAL_PERIODS. More workers are kept where
         the gain is TRIAL_GAIN and a standard error more, taken back where it is under
         TRIAL_GAIN, and run on, to TRIAL_MOST_PERIODS, in between (then taken back). Fewer
-        are kept where the loop got no fewer batches, taken back where it got a standard
-        error fewer, and run on in between (then kept). The count shown no better is not
-        tried again for RETRY_S."""
+        are kept where the loop lost under TRIAL_GAIN of its batches, taken back where it
+        lost that and a standard error more, and run on in between (then taken back): the
+        same margin both ways, so that a worker saved never costs the loop more than it
+        would take to add one. The count shown no better is not tried again for RETRY_S."""
         trial = self._trial
         trial.rates.append(rate)
         gain, noise = gain_and_noise(trial.before, trial.rates)
         if trial.fewer:
-            unsure, kept = -noise <= gain < 0, gain >= -noise
+            unsure, kept = -TRIAL_GAIN - noise <= gain < -TRIAL_GAIN, gain >= -TRIAL_GAIN
         else:
             unsure, kept = TRIAL_GAIN <= gain < TRIAL_GAIN + noise, gain >= TRIAL_GAIN + noise
         if len(trial.rates) < TRIAL_PERIODS or (unsure and
