@@ -347,8 +347,9 @@ def summary_of(sweep: list[dict], best: str | None, rounds: list[dict], seconds:
                budget_cores: float | None = None) -> dict:
     """Auto against the best fixed setting, paired per judged round; and whether auto's first
     batch was the same in every round (its seeds are per batch: whatever the tuner did)."""
-    judged = [judge_auto(r["auto"], best_rate(r), seconds) if best_rate(r) else {}
-              for r in rounds]
+    bests = [best_rate(r) for r in rounds]
+    judged = [judge_auto(r["auto"], rate, seconds) if rate else {}
+              for r, rate in zip(rounds, bests)]
     for r, j in zip(rounds, judged):
         r["judged"] = j
     reached = [j.get("reached_s") for j in judged]
@@ -356,7 +357,7 @@ def summary_of(sweep: list[dict], best: str | None, rounds: list[dict], seconds:
                              if r["step_alone_s"] and r["auto"]["step_s"])
     machine = stats.summarize(r.get("step_beside_a_busy_core") for r in rounds)
     return {"best": best,
-            "best_rate": stats.summarize(best_rate(r) for r in rounds),
+            "best_rate": stats.summarize(bests),
             "fixed_rates": {k: stats.summarize(r["fixed"][k]["rate"] for r in sweep)
                             for k in sweep[0]["fixed"]},
             "auto_rate": stats.summarize(j.get("rate") for j in judged),
