@@ -395,7 +395,9 @@ class Tuner:
             if self._cut_to == n:
                 self._floor = n + 1  # the cut to n made it wait: no cut to n again
             fits = budget is None or cpu + per_worker <= budget
-            if s.workers and n < s.most and idle >= 0.5 and fits:
+            # a trial is judged against the periods before it: TRIAL_PERIODS of them at least
+            judged = len(self._rates) >= TRIAL_PERIODS
+            if s.workers and n < s.most and idle >= 0.5 and fits and judged:
                 more = n if wait >= 0.5 else 1
                 if budget is not None and per_worker > 0:
                     more = min(more, max(1, math.floor((budget - cpu) / per_worker)))
@@ -409,7 +411,7 @@ class Tuner:
                         at, self.prefetch + 1, f"{said}, though they spent {idle_workers:.0%} "
                         "of their time with every batch they were given made (batch times "
                         "vary)")]
-            elif (s.workers and n < s.most and fits and idle < 0.5 and len(self._rates) >= 2
+            elif (s.workers and n < s.most and fits and idle < 0.5 and judged
                   and self._may_try(at, n + 1)):
                 return [self._try_workers(at, n + 1, f"{said}; no core idle")]
             return []
