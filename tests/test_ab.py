@@ -277,8 +277,8 @@ def test_auto_is_asked_for_by_name_and_its_sweep_holds_the_users_count():
 def test_auto_is_called_only_on_what_its_rounds_show():
     from fastmm.bench import tuning
 
-    def summary(ratios, never=0):
-        return {"ratio": stats.summarize(ratios), "never_reached": never}
+    def summary(ratios, never=0, best="2,4"):
+        return {"ratio": stats.summarize(ratios), "never_reached": never, "best": best}
 
     assert tuning.call(summary([1.0, 0.99, 1.02]))[0] == "undecided"  # 3 rounds: no 95% CI
     assert tuning.call(summary([0.97, 0.99, 1.0, 1.01, 0.98, 1.02]))[0] == "roll out"
@@ -287,6 +287,8 @@ def test_auto_is_called_only_on_what_its_rounds_show():
     assert call == "roll out" and "(1 of 12 rounds never reached 95% of it)" in label
     assert tuning.call(summary([0.8, 0.85, 0.9, 0.82, 0.88, 0.86]))[0] == "roll back"
     assert tuning.call(summary([0.8, 0.99, 1.0, 1.01, 0.98, 1.02]))[0] == "undecided"
+    assert tuning.call(summary([], best=None)) == (
+        "undecided", "no fixed setting of the sweep stayed within the budget")
     assert tuning.settled_text([{"num_workers": 2, "prefetch_factor": 4}] * 2 + [
         {"num_workers": 1, "prefetch_factor": 2}]) == ("2 workers, prefetch 4 (2 rounds); "
                                                        "1 worker, prefetch 2 (1 round)")

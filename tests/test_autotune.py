@@ -115,10 +115,14 @@ def test_workers_added_on_idle_cores_go_back_where_the_loop_gets_no_faster():
 def test_no_more_workers_without_an_idle_core_but_a_deeper_prefetch_if_they_idle():
     m = Machine()
     t = _tuner(m)
-    assert m.period(t, wait=0.3, cpu=1.9, idle=0.1) == []  # busy workers, no core to add
+    assert m.period(t, wait=0.3, cpu=1.9, idle=0.1, done=0.05) == []  # busy workers, no core
     assert _moves(m.period(t, wait=0.3, cpu=1.0, idle=0.1, done=0.5)) == [
         ("prefetch_factor", 2, 3)]
     assert "spent 50% of their time with every batch they were given made" in t.changes[-1].why
+    m.period(t, wait=0.12, cpu=1.2, idle=0.2, done=0.12)  # settling
+    # transport's loop and workers at prefetch 3: each waits a tenth of its time or more
+    assert _moves(m.period(t, wait=0.12, cpu=1.2, idle=0.2, done=0.12)) == [
+        ("prefetch_factor", 3, 4)]
     m2 = Machine()
     t_fixed = _tuner(m2, auto_prefetch=False)
     assert m2.period(t_fixed, wait=0.3, cpu=1.0, idle=0.1, done=0.5) == []

@@ -31,7 +31,8 @@ AUTO = "auto"
 PERIOD_S = 1.0  # one adjustment period
 WAITING = 0.05  # the loop waited this share of a period or more: it wants more workers
 NOT_WAITING = 0.01  # it waited less: maybe fewer do
-IDLE_WORKERS = 0.25  # the workers waited this share of their time with every batch given made
+IDLE_WORKERS = 0.10  # the workers waited this share of their time with every batch given made
+# (transport at 2 workers, prefetch 2: 12-15% while the loop waited 10-15%; prefetch 4: 7% and 3%)
 CALM_PERIODS = 3  # periods without waiting before a worker is taken away
 TRIAL_PERIODS = 3  # a trial of another count runs this many periods at least (after one settling)
 TRIAL_MOST_PERIODS = 8  # and on, up to this many, while its gain is within its noise
@@ -267,7 +268,7 @@ class Tuner:
     fewer once it has not waited for ``CALM_PERIODS`` periods and one fewer carries the load
     (their CPU fits in one fewer), never below a count at which it waited after such a cut;
     fewer at once when the workers used more than ``cpu_budget``; a deeper prefetch while
-    the loop waits though the workers spent a quarter of their time or more with every batch
+    the loop waits though the workers spent a tenth of their time or more with every batch
     they were given made (batch times vary: the workers wait for the loop at times, and it
     for them at others), one less after ten periods without waiting.
 

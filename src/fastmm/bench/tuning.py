@@ -46,6 +46,8 @@ from .workloads import digest, sum64
 SWEEP_ROUNDS = 3  # rounds of the sweep that choose the best fixed setting, by default
 REACH = 0.95  # auto's rate within the time it is given, at least this much of the best fixed
 STEP_GROWTH_BAR = 1.10  # with a budget: the step's own time at most this much of it alone
+BUDGET_READING = 1.05  # the workers' CPU read in a second counts within the budget up to this
+# much of it: one worker busy throughout reads a little over one core (the read's own delay)
 
 
 def busy_step(ms: float):
@@ -287,7 +289,7 @@ def best_setting(sweep: list[dict], budget_cores: float | None) -> str | None:
     for key in sweep[0]["fixed"]:
         runs = [r["fixed"][key] for r in sweep]
         if budget_cores is not None and any(
-                run["workers_cpu_peak"] > budget_cores * 1.05 for run in runs):
+                run["workers_cpu_peak"] > budget_cores * BUDGET_READING for run in runs):
             continue
         median = stats.summarize(run["rate"] for run in runs)
         if median is not None:
@@ -381,6 +383,8 @@ def call(summary: dict) -> tuple[str, str]:
     and on a noisy machine some of a dozen fall short by chance even where auto matches."""
     ratio, shown = summary["ratio"], stats.interval(summary["ratio"], 3, "x")
     bar = f"{REACH:.2f}x"
+    if summary["best"] is None:
+        return "undecided", "no fixed setting of the sweep stayed within the budget"
     if not ratio:
         return "undecided", "auto made no window to judge"
     if not stats.is_ci95(ratio):
@@ -427,7 +431,7 @@ def finding(summaries: list[dict], auto_seconds: float) -> dict:
                 f"at {s['settled_text']}")
         if s["budget_cores"] is not None:
             peak = s["workers_cpu_peak"]["max"] if s["workers_cpu_peak"] else None
-            within = peak is not None and peak <= s["budget_cores"] * 1.05
+            within = peak is not None and peak <= s["budget_cores"] * BUDGET_READING
             grew = s["step_growth"] is not None and s["step_growth"]["ci_high"] <= STEP_GROWTH_BAR
             text += (f"; the workers' CPU at most {peak or 0:.2f} cores in a second (budget "
                      f"{s['budget_cores']:.2f}); the step's time "
