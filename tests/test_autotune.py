@@ -204,6 +204,21 @@ def test_a_trial_is_judged_beyond_the_noise_of_its_rates():
     assert ran == 3 and t.workers == 3
 
 
+def test_a_trial_taken_back_leaves_the_rates_before_it_to_judge_the_next():
+    """Back at the count it left, the periods read there before the trial still count: the
+    next trial (here of one more) begins after the settling period, not three later."""
+    m = Machine()
+    t = _tuner(m, workers=2, auto_prefetch=False)
+    _steady(m, t, 0.1, 1.3, 0.1, batches=20, loop=0.6)
+    assert _moves(m.period(t, 0.1, 1.3, 0.1, batches=20, loop=0.6)) == [("num_workers", 2, 1)]
+    m.period(t, 0.3, 0.7, 0.8, batches=14, loop=0.6)  # settling
+    changes = [c for _ in range(3) for c in m.period(t, 0.3, 0.7, 0.8, batches=14, loop=0.6)]
+    assert _moves(changes) == [("num_workers", 1, 2)]  # 30% fewer batches: back
+    m.period(t, 0.1, 1.3, 0.1, batches=20, loop=0.6)  # settling
+    assert _moves(m.period(t, 0.1, 1.3, 0.1, batches=20, loop=0.6)) == [("num_workers", 2, 3)]
+    assert t._trial.before == [20.0] * 4  # the three at 2 before the first trial, and one
+
+
 def test_beside_a_cpu_heavy_step_one_fewer_worker_is_tried_and_kept_unless_slower():
     """The loop's own process busy (its step on the CPU): once steady, one fewer worker on
     trial, kept where the loop gets as many batches (the freed core goes to the step), taken

@@ -296,7 +296,9 @@ class Tuner:
         self._cut_to = None  # the count the last cut (the loop not waiting) went down to
         self._floor = 1  # no cut below this count (one made the loop wait)
         self._settling = False  # the period after a change: the pipeline refills, not judged
-        self._rates: list[float] = []  # batches a second in the periods since the last change
+        # batches a second in the periods at the current settings (since the last change, and
+        # before a trial taken back)
+        self._rates: list[float] = []
         self._trial: Trial | None = None
         self._tried: dict[int, float] = {}  # count -> when its trial made nothing more
         self.epoch_changes = 0
@@ -356,8 +358,6 @@ class Tuner:
         changes = self._decide(now - self._start, wait, cpu, idle, idle_workers, rate,
                                max(0.0, own - cpu))
         self._settling = bool(changes)
-        if changes:
-            self._rates = []
         self.changes.extend(changes)
         self.epoch_changes += len(changes)
         return changes
@@ -447,7 +447,7 @@ class Tuner:
             why: what called for it, for the change's record.
             fewer: a trial of fewer workers (else more).
         """
-        self._trial = Trial(self.workers, self._rates[-BEFORE_PERIODS:] or [0.0], [], fewer)
+        self._trial = Trial(self.workers, self._rates[-BEFORE_PERIODS:], [], fewer)
         return self._set_workers(at, new, f"{why}: {new} tried, kept " + (
             f"unless the loop gets {TRIAL_GAIN:.0%} fewer batches" if fewer else
             f"if the loop gets {TRIAL_GAIN:.0%} more batches"))
@@ -477,18 +477,21 @@ class Tuner:
             self._rates = list(trial.rates)
             return []
         mean = sum(trial.rates) / len(trial.rates)
-        return [self._set_workers(at, trial.back_to, f"{self.workers} workers made {mean:.1f} "
-                                  f"batches a second over {len(trial.rates)} periods, "
-                                  f"{gain:+.0%} (+/- {noise:.0%}) against {trial.back_to}")]
+        change = self._set_workers(at, trial.back_to, f"{self.workers} workers made {mean:.1f} "
+                                   f"batches a second over {len(trial.rates)} periods, "
+                                   f"{gain:+.0%} (+/- {noise:.0%}) against {trial.back_to}")
+        # back where the rates before the trial were read: they count for the next one
+        self._rates = list(trial.before)
+        return [change]
 
     def _set_workers(self, at: float, new: int, why: str) -> Change:
         change = Change(round(at, 3), "num_workers", self.workers, new, why)
-        self.workers = new
+        self.workers, self._rates = new, []  # rates read at the old count judge nothing now
         return change
 
     def _set_prefetch(self, at: float, new: int, why: str) -> Change:
         change = Change(round(at, 3), "prefetch_factor", self.prefetch, new, why)
-        self.prefetch = new
+        self.prefetch, self._rates = new, []
         return change
 
     def settled(self) -> str:
