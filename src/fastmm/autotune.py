@@ -387,8 +387,10 @@ class Tuner:
                                       f"{said}, over the budget of {budget:.2f}")]
         if self._trial is not None:
             return self._judge_trial(at, rate)
+        # a trial (fewer or more) is judged against the periods before it: TRIAL_PERIODS at least
+        judged = len(self._rates) >= TRIAL_PERIODS
         if (s.workers and n > max(1, self._floor) and wait < 0.5 and loop_cpu >= STEP_CORES
-                and len(self._rates) >= TRIAL_PERIODS and self._may_try(at, n - 1)):
+                and judged and self._may_try(at, n - 1)):
             return [self._try_workers(at, n - 1, f"{said}; the loop's own process used "
                                                  f"{loop_cpu:.2f} cores", fewer=True)]
         if wait >= WAITING:
@@ -396,8 +398,6 @@ class Tuner:
             if self._cut_to == n:
                 self._floor = n + 1  # the cut to n made it wait: no cut to n again
             fits = budget is None or cpu + per_worker <= budget
-            # a trial is judged against the periods before it: TRIAL_PERIODS of them at least
-            judged = len(self._rates) >= TRIAL_PERIODS
             if s.workers and n < s.most and idle >= 0.5 and fits and judged:
                 more = n if wait >= 0.5 else 1
                 if budget is not None and per_worker > 0:
