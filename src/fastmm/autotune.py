@@ -33,6 +33,7 @@ WAITING = 0.05  # the loop waited this share of a period or more: it wants more 
 NOT_WAITING = 0.01  # it waited less: maybe fewer do
 IDLE_WORKERS = 0.10  # the workers waited this share of their time with every batch given made
 # (transport at 2 workers, prefetch 2: 12-15% while the loop waited 10-15%; prefetch 4: 7% and 3%)
+BLOCKED = 0.25  # with no core idle, one more worker is tried where they were blocked this much
 CALM_PERIODS = 3  # periods without waiting before a worker is taken away
 TRIAL_PERIODS = 3  # a trial of another count runs this many periods at least (after one settling)
 TRIAL_MOST_PERIODS = 8  # and on, up to this many, while its gain is within its noise
@@ -200,18 +201,42 @@ class Reading(NamedTuple):
     """Counters read at one moment (cumulative seconds): the workers' CPU time, summed; the
     idle time of the cores this process may run on, summed; the CPU time of the loader's
     processes (the workers and this one), summed; the time the workers waited for a task with
-    every batch they were given made, summed."""
+    every batch they were given made, summed; the time they waited, ready, for a core, summed."""
 
     workers_cpu_s: float
     idle_cpu_s: float
     own_cpu_s: float
     tasks_waited_s: float = 0.0
+    workers_ready_s: float = 0.0
+
+
+class Period(NamedTuple):
+    """What one period measured, for the tuner's decision.
+
+    wait: the share of the period the loop waited for batches.
+    cpu: the cores the workers used.
+    idle: the cores the machine left idle (of those the loader may use).
+    idle_workers: the share of the workers' time they waited for a task with every batch they
+        were given made (the loop had not taken them yet).
+    blocked: the share of the workers' time they were neither running, nor ready to run and
+        waiting for a core, nor waiting for a task: blocked (storage, a lock, a remote read).
+    rate: batches handed out a second.
+    loop_cpu: the cores the loop's own process used (its step, its reading)."""
+
+    wait: float
+    cpu: float
+    idle: float
+    idle_workers: float
+    blocked: float
+    rate: float
+    loop_cpu: float
 
 
 def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
-    """A reader of the workers' CPU time (``pids()``: the started workers' pids), of the idle
-    time of this process's cores (its affinity: ``idle_seconds``), and of this process's CPU
-    time, from /proc (the processes' through psutil)."""
+    """A reader of the workers' CPU time and their time ready for a core (``pids()``: the
+    started workers' pids; ``ready_seconds``), of the idle time of this process's cores (its
+    affinity: ``idle_seconds``), and of this process's CPU time, from /proc (the processes'
+    through psutil)."""
     import psutil
 
     try:
@@ -221,17 +246,29 @@ def read_processes(pids: Callable[[], list]) -> Callable[[], Reading]:
     me = psutil.Process()
 
     def read() -> Reading:
-        used = 0.0
+        used = ready = 0.0
         for pid in pids():
             try:
                 times = psutil.Process(pid).cpu_times()
                 used += times.user + times.system
             except (psutil.Error, OSError):
                 pass  # gone: its replacement counts from its own start
+            ready += ready_seconds(pid)
         times = me.cpu_times()
-        return Reading(used, idle_seconds(mine), used + times.user + times.system)
+        return Reading(used, idle_seconds(mine), used + times.user + times.system,
+                       workers_ready_s=ready)
 
     return read
+
+
+def ready_seconds(pid: int) -> float:
+    """The seconds process ``pid`` has waited, ready to run, for a core (the second field of
+    /proc/PID/schedstat); 0 where the kernel keeps no such count or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def idle_seconds(cpus: set | None, stat: str = "/proc/stat") -> float:
@@ -261,9 +298,10 @@ class Tuner:
     prefetch (``workers``, ``prefetch``), from the loop's waiting (``waited``) and ``read()``.
 
     More workers while the loop waits for data and cores are idle (twice as many while it
-    waits most of the time), or one more while it waits and no core is idle: on trial either
-    way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second, beyond the noise
-    of its rates; one fewer on trial while the loop's own process uses ``STEP_CORES`` or
+    waits most of the time), or one more while it waits with no core idle where the workers
+    were ``BLOCKED`` (neither running, nor ready for a core, nor waiting for a task): on
+    trial either way, kept only if the loop gets ``TRIAL_GAIN`` more batches a second, beyond
+    the noise of its rates; one fewer on trial while the loop's own process uses ``STEP_CORES`` or
     more (its step competes with the workers), kept unless the loop loses ``TRIAL_GAIN``;
     fewer once it has not waited for ``CALM_PERIODS`` periods and one fewer carries the load
     (their CPU fits in one fewer), never below a count at which it waited after such a cut;
@@ -340,10 +378,13 @@ class Tuner:
             return []
         reading = self._read()
         wait = self._waited / elapsed
+        worker_s = elapsed * max(1, self.workers)  # (those parked neither run nor wait)
         # the share of the workers' time spent waiting for a task, every batch given made
         idle_workers = min(1.0, max(0.0, reading.tasks_waited_s - self._last.tasks_waited_s)
-                           / (elapsed * max(1, self.workers)))
+                           / worker_s)
         cpu = max(0.0, reading.workers_cpu_s - self._last.workers_cpu_s) / elapsed
+        ready = max(0.0, reading.workers_ready_s - self._last.workers_ready_s) / worker_s
+        blocked = max(0.0, 1.0 - cpu / max(1, self.workers) - ready - idle_workers)
         own = max(0.0, reading.own_cpu_s - self._last.own_cpu_s) / elapsed
         # idle cores this loader may use: a CPU quota (usable_cores) leaves host cores idle
         idle = min(max(0.0, reading.idle_cpu_s - self._last.idle_cpu_s) / elapsed,
@@ -355,27 +396,16 @@ class Tuner:
             return []
         if self._trial is None:
             self._rates.append(rate)
-        changes = self._decide(now - self._start, wait, cpu, idle, idle_workers, rate,
-                               max(0.0, own - cpu))
+        changes = self._decide(now - self._start, Period(
+            wait, cpu, idle, idle_workers, blocked, rate, max(0.0, own - cpu)))
         self._settling = bool(changes)
         self.changes.extend(changes)
         self.epoch_changes += len(changes)
         return changes
 
-    def _decide(self, at: float, wait: float, cpu: float, idle: float,
-                idle_workers: float, rate: float, loop_cpu: float) -> list[Change]:
-        """The changes one period calls for.
-
-        Args:
-            at: seconds since the tuner began.
-            wait: the share of the period the loop waited for batches.
-            cpu: the cores the workers used.
-            idle: the cores the machine left idle.
-            idle_workers: the share of the workers' time they waited for a task with every
-                batch they were given made (the loop had not taken them yet).
-            rate: batches handed out a second.
-            loop_cpu: the cores the loop's own process used (its step, its reading).
-        """
+    def _decide(self, at: float, period: Period) -> list[Change]:
+        """The changes one ``period`` calls for, ``at`` seconds since the tuner began."""
+        wait, cpu, idle, idle_workers, blocked, rate, loop_cpu = period
         s, n = self.settings, self.workers
         per_worker = cpu / n if n else 0.0
         budget = None if s.cpu_budget is None else s.cpu_budget * self._cores
@@ -412,9 +442,10 @@ class Tuner:
                         at, self.prefetch + 1, f"{said}, though they spent {idle_workers:.0%} "
                         "of their time with every batch they were given made (batch times "
                         "vary)")]
-            elif (s.workers and n < s.most and fits and idle < 0.5 and judged
-                  and self._may_try(at, n + 1)):
-                return [self._try_workers(at, n + 1, f"{said}; no core idle")]
+            elif (s.workers and n < s.most and fits and idle < 0.5 and blocked >= BLOCKED
+                  and judged and self._may_try(at, n + 1)):
+                return [self._try_workers(at, n + 1, f"{said}; no core idle, the workers "
+                                                     f"blocked {blocked:.0%} of their time")]
             return []
         if wait < NOT_WAITING:
             self._calm += 1
