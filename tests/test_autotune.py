@@ -409,6 +409,34 @@ def test_idle_time_is_read_by_each_cpus_number(tmp_path):
     assert autotune.idle_seconds(None) > 0  # this machine's
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no schedstat kept")
+def test_the_workers_time_ready_for_a_core_is_read_apart_from_their_blocked_time():
+    """Three processes spinning on one core wait, ready, for it two thirds of the time; three
+    sleeping ones (blocked, as on a remote read) hardly at all."""
+    import subprocess
+    import sys
+
+    def ready_over(code: str) -> float:
+        procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(3)]
+        try:
+            read = autotune.read_processes(lambda: [p.pid for p in procs])
+            time.sleep(0.5)  # (the interpreters starting)
+            before, began = read(), time.monotonic()
+            time.sleep(1.0)
+            after, took = read(), time.monotonic() - began
+            return (after.workers_ready_s - before.workers_ready_s) / took
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
+    spin = "import os, time\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n" \
+           "t = time.time()\nwhile time.time() - t < 5: pass"
+    assert ready_over(spin) >= 1.0  # of 3 processes' 3 seconds: 2 ready, 1 running
+    assert ready_over("import time; time.sleep(5)") < 0.1
+    assert autotune.ready_seconds(2**22 + 1) == 0.0  # no such process
+
+
 def test_the_cap_is_twice_the_cores_or_the_budgets_share_and_memory():
     assert autotune.most_workers(None, cores=16, available=64 * GiB) == 32
     assert autotune.most_workers(0.5, cores=16, available=64 * GiB) == 16
