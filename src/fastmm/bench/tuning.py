@@ -282,14 +282,19 @@ def judged_round(pipe: Pipeline, best: str, r: int, seconds: float, auto_seconds
             "step_beside_a_busy_core": machine, "other_processes_cpu_cores": others.cores}
 
 
+def within_budget(peak: float | None, budget_cores: float | None) -> bool:
+    """Whether the workers' CPU at its highest in a second (``peak``) kept to ``budget_cores``
+    (where there is one), as read: up to BUDGET_READING of it."""
+    return budget_cores is None or (peak is not None and peak <= budget_cores * BUDGET_READING)
+
+
 def best_setting(sweep: list[dict], budget_cores: float | None) -> str | None:
     """The fixed setting with the highest median rate over the sweep's rounds, among those
     whose workers used at most ``budget_cores`` in any second, in every round."""
     rates = {}
     for key in sweep[0]["fixed"]:
         runs = [r["fixed"][key] for r in sweep]
-        if budget_cores is not None and any(
-                run["workers_cpu_peak"] > budget_cores * BUDGET_READING for run in runs):
+        if not all(within_budget(run["workers_cpu_peak"], budget_cores) for run in runs):
             continue
         median = stats.summarize(run["rate"] for run in runs)
         if median is not None:
@@ -431,14 +436,15 @@ def finding(summaries: list[dict], auto_seconds: float) -> dict:
                 f"at {s['settled_text']}")
         if s["budget_cores"] is not None:
             peak = s["workers_cpu_peak"]["max"] if s["workers_cpu_peak"] else None
-            within = peak is not None and peak <= s["budget_cores"] * BUDGET_READING
-            grew = s["step_growth"] is not None and s["step_growth"]["ci_high"] <= STEP_GROWTH_BAR
+            within = within_budget(peak, s["budget_cores"])
+            step_kept = (s["step_growth"] is not None
+                         and s["step_growth"]["ci_high"] <= STEP_GROWTH_BAR)
             text += (f"; the workers' CPU at most {peak or 0:.2f} cores in a second (budget "
                      f"{s['budget_cores']:.2f}); the step's time "
                      f"{stats.interval(s['step_growth'], 3, 'x')} its time alone, and "
                      f"{stats.interval(s['step_beside_a_busy_core'], 3, 'x')} beside one busy "
                      "process and no loader (what this machine's cores do to each other)")
-            if verdict == "roll out" and not (within and grew):
+            if verdict == "roll out" and not (within and step_kept):
                 verdict = "undecided"
                 label += ("; but the budget was exceeded" if not within else
                           f"; but the step's time not shown within {STEP_GROWTH_BAR:.2f}x")
