@@ -383,8 +383,10 @@ class Tuner:
         idle_workers = min(1.0, max(0.0, reading.tasks_waited_s - self._last.tasks_waited_s)
                            / worker_s)
         cpu = max(0.0, reading.workers_cpu_s - self._last.workers_cpu_s) / elapsed
+        # the shares of the workers' time running, ready for a core, and (the rest) blocked
+        running = cpu * elapsed / worker_s
         ready = max(0.0, reading.workers_ready_s - self._last.workers_ready_s) / worker_s
-        blocked = max(0.0, 1.0 - cpu / max(1, self.workers) - ready - idle_workers)
+        blocked = max(0.0, 1.0 - running - ready - idle_workers)
         own = max(0.0, reading.own_cpu_s - self._last.own_cpu_s) / elapsed
         # idle cores this loader may use: a CPU quota (usable_cores) leaves host cores idle
         idle = min(max(0.0, reading.idle_cpu_s - self._last.idle_cpu_s) / elapsed,
