@@ -455,6 +455,30 @@ class FullDataset(Dataset):
         return {"x": torch.full(self.shape, float(i), dtype=self.dtype), "i": int(i)}
 
 
+# in a spawned worker: about when it had started (its imports done), in seconds since boot
+IMPORTED_AT = time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+class StartingDataset(Dataset):
+    """Each sample: its worker's pid and IMPORTED_AT there. A spawned worker unpickling it as it
+    starts first sleeps ``start_s``, or exits with ``exit_code``."""
+
+    def __init__(self, n: int, start_s: float = 0.0, exit_code: int | None = None):
+        self.n, self.start_s, self.exit_code = n, start_s, exit_code
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.exit_code is not None:
+            os._exit(self.exit_code)
+        time.sleep(self.start_s)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"pid": os.getpid(), "imported_at": IMPORTED_AT}
+
+
 class PidDataset(Dataset):
     def __init__(self, n: int):
         self.n = n

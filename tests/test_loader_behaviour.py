@@ -41,6 +41,7 @@ from _datasets import (
     SizedRangeIterable,
     SizesBatchSampler,
     SleepyDataset,
+    StartingDataset,
     SuicideDataset,
     WorkerInfoDataset,
     assert_same,
@@ -719,6 +720,50 @@ def test_a_worker_that_cannot_start_is_torchs_error_and_nothing_else(transport):
     assert proc.stdout.split() == ["PicklingError", "4"], proc.stderr
     assert "Got pickle error when attempting to start a worker Process" in proc.stderr
     assert "Exception ignored" not in proc.stderr and "ResourceWarning" not in proc.stderr
+
+
+def _spawned_starts(dataset, num_workers: int):
+    """Each worker's (pid, when its process was made, when it had started), in worker order,
+    in seconds since boot."""
+    it = iter(fastmm.DataLoader(dataset, batch_size=None, num_workers=num_workers,
+                                multiprocessing_context="spawn"))
+    made = {w.pid: psutil.Process(w.pid).create_time() - psutil.boot_time()  # (/proc's ticks)
+            for w in it._workers}
+    samples = list(it)
+    assert [s["pid"] for s in samples[:num_workers]] == [w.pid for w in it._workers]
+    return [(s["pid"], made[s["pid"]], s["imported_at"]) for s in samples[:num_workers]]
+
+
+@pytest.mark.slow
+def test_spawned_workers_start_no_more_at_once_than_there_are_cores(monkeypatch):
+    """Each spawned worker imports torch anew (a second of CPU or more): with one core, each
+    starts once the one before has started, so the first is ready in the time of one import."""
+    monkeypatch.setattr("fastmm.doctor.usable_cores", lambda: 1)
+    starts = _spawned_starts(StartingDataset(3), 3)
+    for (_, _, started), (_, made, _) in zip(starts, starts[1:]):
+        assert made >= started - 0.02  # (create_time counts in clock ticks)
+
+
+@pytest.mark.slow
+def test_a_spawned_worker_slow_to_start_holds_the_next_back_only_so_long(monkeypatch):
+    """One waiting on something other than a core (here: asleep) holds the next back for
+    START_WAIT_S at most."""
+    monkeypatch.setattr("fastmm.doctor.usable_cores", lambda: 1)
+    monkeypatch.setattr("fastmm._processes.START_WAIT_S", 0.5)
+    starts = _spawned_starts(StartingDataset(3, start_s=4.0), 3)
+    assert starts[-1][1] - starts[0][1] < 3.0  # one after another: 8 s and more
+
+
+@pytest.mark.slow
+def test_a_spawned_worker_that_dies_starting_holds_none_back(monkeypatch):
+    """The next starts the moment it dies; then torch's error, not a hang."""
+    monkeypatch.setattr("fastmm.doctor.usable_cores", lambda: 1)
+    monkeypatch.setattr("fastmm._processes.START_WAIT_S", 60.0)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        list(fastmm.DataLoader(StartingDataset(4, exit_code=3), num_workers=3,
+                               multiprocessing_context="spawn"))
+    assert time.monotonic() - began < 30
 
 
 _PERSISTENT_AT_EXIT_SCRIPT = """

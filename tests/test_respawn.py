@@ -80,6 +80,22 @@ def test_random_kills_lose_nothing_and_change_nothing(sig, transport):
     assert sorted(row[0] for b in faulty for row in b) == list(range(400))
 
 
+@pytest.mark.slow
+def test_spawned_replacements_lose_nothing_with_one_core(monkeypatch):
+    """Under spawn a replacement starts as the first workers do, no more starting at once than
+    there are cores; what its predecessor said on starting does not count for it."""
+    monkeypatch.setattr("fastmm.doctor.usable_cores", lambda: 1)
+
+    def make():
+        return fastmm.DataLoader(Augmented(40), batch_size=2, shuffle=True, num_workers=2,
+                                 multiprocessing_context="spawn", on_worker_failure="respawn")
+
+    clean, _ = _run(make, set())
+    faulty, (processes, killed) = _run(make, {2, 9})
+    assert killed == 2 and processes == 4
+    assert faulty == clean
+
+
 def test_respawn_with_persistent_workers_over_two_epochs():
     def make():
         return fastmm.DataLoader(SlowAugmented(60), batch_size=3, shuffle=True, num_workers=2,

@@ -94,6 +94,8 @@ class WorkerSpec:
             worker puts in place of its inherited ones (``shared.DatasetShare``); else None
             (a spawned worker's dataset arrives with them in place).
         index_queue, result_conn, fd_sock, done_event: its channels (see the module).
+        ready_conn: under spawn, where the worker says (its pid) that it has started: the main
+            process starts no more workers at once than there are cores; else None.
     """
 
     dataset_kind: int
@@ -115,6 +117,7 @@ class WorkerSpec:
     result_conn: object = None
     fd_sock: object = None
     done_event: object = None
+    ready_conn: object = None
 
 
 # -- the slab transport ------------------------------------------------------------------------

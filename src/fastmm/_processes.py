@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -27,6 +28,7 @@ from ._workers import StopFlag, worker_loop
 from .slabs import SlabPool, open_files_guard
 
 STATUS_CHECK_INTERVAL_S = _torch.MP_STATUS_CHECK_INTERVAL
+START_WAIT_S = 5.0  # a spawned worker starting longer than this does not hold the next back
 _OPEN_WORKERS: dict[int, "WorkerProcesses"] = {}  # id -> each pool not yet shut down
 
 
@@ -57,6 +59,17 @@ class WorkerProcesses:
         self.channels = list(range(num_workers))
         self._warn_as_torch = warn_as_torch
         self.signal_id = None  # the key its pids have in torch's SIGCHLD handler, if any
+        # Under spawn each worker starts an interpreter and imports torch and the dataset's
+        # modules (a second of CPU or more): started all at once on fewer cores, they would
+        # share them, and the first batch would wait for every one. So no more start at once
+        # than there are cores; each says on this pipe when it has started.
+        self.ready_recv = self.ready_send = None
+        if context.get_start_method() == "spawn":
+            from .doctor import usable_cores
+
+            self.ready_recv, self.ready_send = context.Pipe(duplex=False)
+            self.cores = usable_cores()
+        self.starting: dict = {}  # pid -> (process, when): spawned, not started yet
         # Registered apart from the iterator: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_WORKERS[id(self)] = self
@@ -64,6 +77,8 @@ class WorkerProcesses:
     def start(self, worker_id: int, restore: Restore, shared_seed: int) -> None:
         """Start worker ``worker_id`` from ``restore`` (resume.py)."""
         ends = []  # closed again if the worker cannot start
+        if self.ready_recv is not None:
+            self._wait_for_a_core()
         try:
             with open_files_guard(f"starting DataLoader worker {worker_id}"):
                 index_queue = self.context.Queue()
@@ -78,7 +93,8 @@ class WorkerProcesses:
                         self.spec, index_queue=index_queue, result_conn=result_send,
                         fd_sock=fd_worker, done_event=self.done_event, worker_id=worker_id,
                         shared_seed=shared_seed, restore=restore,
-                        start_method=self.context.get_start_method(), main_pid=self.owner_pid),),
+                        start_method=self.context.get_start_method(), main_pid=self.owner_pid,
+                        ready_conn=self.ready_send),),
                     name=f"fastmm-worker-{worker_id}",
                     daemon=True,
                 )
@@ -96,11 +112,31 @@ class WorkerProcesses:
             raise
         result_send.close()
         fd_worker.close()
+        if self.ready_recv is not None:
+            self.starting[process.pid] = (process, time.monotonic())
         self.index_queues[worker_id] = index_queue
         self.processes[worker_id] = process
         self.result_conns[worker_id] = result_recv
         self.fd_socks[worker_id] = fd_main
         self.slab_pool.connect(self.channels[worker_id], fd_main)
+
+    def _wait_for_a_core(self) -> None:
+        """Until fewer workers are starting than there are cores: those that said they have
+        started, died, or took START_WAIT_S (waiting on something other than a core: a file
+        system, a lock) no longer count."""
+        while True:
+            while self.ready_recv.poll():
+                self.starting.pop(int.from_bytes(self.ready_recv.recv_bytes(), "little"), None)
+            now = time.monotonic()
+            self.starting = {pid: (process, since) for pid, (process, since)
+                             in self.starting.items()
+                             if process.exitcode is None and now - since < START_WAIT_S}
+            if len(self.starting) < self.cores:
+                return
+            first = min(since for _, since in self.starting.values())
+            multiprocessing.connection.wait(
+                [self.ready_recv, *(process.sentinel for process, _ in self.starting.values())],
+                first + START_WAIT_S - now)
 
     def end(self, worker_id: int) -> None:
         """End worker ``worker_id`` (dead, or lingering with its channel broken: it must not
@@ -183,6 +219,9 @@ class WorkerProcesses:
         end_processes(self.started())
         for sock in filter(None, self.fd_socks):
             sock.close()
+        if self.ready_recv is not None:
+            self.ready_recv.close()
+            self.ready_send.close()
         _OPEN_WORKERS.pop(id(self), None)
 
 
