@@ -1092,6 +1092,7 @@ def test_copy_on_read_run_measures_both_loaders_private_memory_and_first_batch(t
     # (20,000 items: the workers' start-up is most of what either holds, so any call; the
     # rule itself is tested on known figures above)
     assert result["finding"] == copy_on_read.finding(result)
+    assert not list(out.glob("*.partial.json"))  # (kept only while later datasets run)
     plots = ["lists-over-time", "peak-over-dataset"]
     assert list(render(out / "report.html")["plots"]) == plots
     (part,) = [p for p in suite.PARTS if p.name == "copy-on-read"]
@@ -1100,6 +1101,19 @@ def test_copy_on_read_run_measures_both_loaders_private_memory_and_first_batch(t
     assert index["answer"][0].startswith(f"{part.title}: {result['finding']['text']} Call: ")
     assert list(index["plots"]) == [f"copy-on-read-{name}" for name in plots]
     assert index["links"] == ["copy-on-read/report.html"] * 2
+
+
+def test_copy_on_read_counts_a_container_the_dataset_holds_twice_once():
+    """ImageFolder's ``imgs`` is its ``samples``: counted twice, the dataset's size (what the
+    workers' memory is judged against) was twice what it held."""
+    from fastmm.bench import copy_on_read
+    from fastmm.shared import python_bytes
+
+    dataset = copy_on_read.image_folder(20_000)
+    assert dataset.imgs is dataset.samples
+    assert copy_on_read.objects_bytes(dataset) == sum(map(python_bytes, [
+        dataset.extensions, dataset.classes, dataset.class_to_idx, dataset.samples,
+        dataset.targets]))
 
 
 def test_the_copy_on_read_module_imports_no_plotting():

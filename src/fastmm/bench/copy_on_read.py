@@ -173,14 +173,20 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def objects_bytes(dataset) -> int:
+    """About what the dataset's containers take, each once (ImageFolder's imgs is its
+    samples)."""
+    found = {id(value): value for _, _, _, value in containers(dataset, min_items=1)}
+    return sum(map(python_bytes, found.values()))
+
+
 def run_dataset(name: str, args) -> dict:
     if name == "imagefolder":
         import torchvision.datasets  # noqa: F401 - its import is not the dataset's size
     before = _rss()
     dataset = DATASETS[name](args.items)
     # its RSS growth; a small dataset fits in memory the process held already: its estimate
-    size = max(_rss() - before, sum(python_bytes(value)
-                                    for _, _, _, value in containers(dataset, min_items=1)))
+    size = max(_rss() - before, objects_bytes(dataset))
     small = DATASETS[name](FLOOR_ITEMS)
     rounds = []
     for r in range(args.rounds):
@@ -358,6 +364,8 @@ def main(argv=None) -> int:
                ["dataset", "loader", "peak private / dataset", "peak private MiB per round",
                 "samples/s per round", "time to the first batch"],
                rows, [f"Command: `{result['environment']['command']}`."], figures(result))
+    for name in args.datasets:  # (all in the result now)
+        os.remove(os.path.join(args.out, f"{name}.partial.json"))
     return 0
 
 
