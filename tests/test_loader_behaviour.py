@@ -722,11 +722,11 @@ def test_a_worker_that_cannot_start_is_torchs_error_and_nothing_else(transport):
     assert "Exception ignored" not in proc.stderr and "ResourceWarning" not in proc.stderr
 
 
-def _spawned_starts(dataset, num_workers: int):
+def _spawned_starts(dataset, num_workers: int, method: str = "spawn"):
     """Each worker's (pid, when its process was made, when it had started), in worker order,
     in seconds since boot."""
     it = iter(fastmm.DataLoader(dataset, batch_size=None, num_workers=num_workers,
-                                multiprocessing_context="spawn"))
+                                multiprocessing_context=method))
     made = {w.pid: psutil.Process(w.pid).create_time() - psutil.boot_time()  # (/proc's ticks)
             for w in it._workers}
     samples = list(it)
@@ -735,11 +735,13 @@ def _spawned_starts(dataset, num_workers: int):
 
 
 @pytest.mark.slow
-def test_spawned_workers_start_no_more_at_once_than_there_are_cores(monkeypatch):
-    """Each spawned worker imports torch anew (a second of CPU or more): with one core, each
-    starts once the one before has started, so the first is ready in the time of one import."""
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawn_and_forkserver_workers_start_no_more_at_once_than_there_are_cores(method, monkeypatch):
+    """Each spawned worker imports torch anew (a second of CPU or more), each forkserver one the
+    dataset's modules: with one core, each starts once the one before has started, so the
+    first is ready in the time of one."""
     monkeypatch.setattr("fastmm.doctor.usable_cores", lambda: 1)
-    starts = _spawned_starts(StartingDataset(3), 3)
+    starts = _spawned_starts(StartingDataset(3), 3, method)
     for (_, _, started), (_, made, _) in zip(starts, starts[1:]):
         assert made >= started - 0.02  # (create_time counts in clock ticks)
 

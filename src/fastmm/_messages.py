@@ -94,8 +94,9 @@ class WorkerSpec:
             worker puts in place of its inherited ones (``shared.DatasetShare``); else None
             (a spawned worker's dataset arrives with them in place).
         index_queue, result_conn, fd_sock, done_event: its channels (see the module).
-        ready_conn: under spawn, where the worker says (its pid) that it has started: the main
-            process starts no more workers at once than there are cores; else None.
+        ready_conn: under spawn and forkserver, where the worker says (its pid) that it has
+            started (its imports done): the main process starts no more workers at once than
+            there are cores; else None.
     """
 
     dataset_kind: int

@@ -28,7 +28,7 @@ from ._workers import StopFlag, worker_loop
 from .slabs import SlabPool, open_files_guard
 
 STATUS_CHECK_INTERVAL_S = _torch.MP_STATUS_CHECK_INTERVAL
-START_WAIT_S = 5.0  # a spawned worker starting longer than this does not hold the next back
+START_WAIT_S = 5.0  # a worker starting longer than this does not hold the next back
 _OPEN_WORKERS: dict[int, "WorkerProcesses"] = {}  # id -> each pool not yet shut down
 
 
@@ -60,16 +60,17 @@ class WorkerProcesses:
         self._warn_as_torch = warn_as_torch
         self.signal_id = None  # the key its pids have in torch's SIGCHLD handler, if any
         # Under spawn each worker starts an interpreter and imports torch and the dataset's
-        # modules (a second of CPU or more): started all at once on fewer cores, they would
-        # share them, and the first batch would wait for every one. So no more start at once
-        # than there are cores; each says on this pipe when it has started.
+        # modules (a second of CPU or more); under forkserver, what the server had not (the
+        # dataset's: torchvision for an ImageFolder). Started all at once on fewer cores, they
+        # would share them, and the first batch would wait for every one. So no more start at
+        # once than there are cores; each says on this pipe when it has started.
         self.ready_recv = self.ready_send = None
-        if context.get_start_method() == "spawn":
+        if context.get_start_method() in ("spawn", "forkserver"):
             from .doctor import usable_cores
 
             self.ready_recv, self.ready_send = context.Pipe(duplex=False)
             self.cores = usable_cores()
-        self.starting: dict = {}  # pid -> (process, when): spawned, not started yet
+        self.starting: dict = {}  # pid -> (process, when): not started yet
         # Registered apart from the iterator: if the iterator dies in a reference cycle, its
         # channels must not be finalized (closed) before its own shutdown closes them.
         _OPEN_WORKERS[id(self)] = self

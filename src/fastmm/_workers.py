@@ -198,7 +198,7 @@ def worker_loop(spec: WorkerSpec) -> None:
     """A worker process's life: set up and seeded as torch sets up its workers, then one Result
     for each Task, until Stop or the loader's process is gone."""
     try:
-        if spec.ready_conn is not None:  # (spawned: its imports are done)
+        if spec.ready_conn is not None:  # (its imports are done)
             spec.ready_conn.send_bytes(os.getpid().to_bytes(8, "little"))
             spec.ready_conn.close()
         # Objects inherited from the main process (the dataset's lists, torch's modules) are
