@@ -364,7 +364,7 @@ def main(argv=None) -> int:
                ["dataset", "loader", "peak private / dataset", "peak private MiB per round",
                 "samples/s per round", "time to the first batch"],
                rows, [f"Command: `{result['environment']['command']}`."], figures(result))
-    for name in args.datasets:  # (all in the result now)
+    for name in dict.fromkeys(args.datasets):  # (all in the result now; each file once)
         os.remove(os.path.join(args.out, f"{name}.partial.json"))
     return 0
 
