@@ -7,6 +7,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -239,6 +240,46 @@ class PidOf(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return torch.tensor(os.getpid())
+
+
+class HeapChurn(torch.utils.data.Dataset):
+    """Each sample: the worker's anonymous memory as it begins, then 24 MiB of 64 KiB blocks
+    written and freed (a decode's buffers), which FASTMM_WORKER_MALLOC=reuse keeps on the heap."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        import ctypes
+
+        with open("/proc/self/status") as f:
+            rss_anon = next(int(line.split()[1]) << 10 for line in f
+                            if line.startswith("RssAnon:"))
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        blocks = [libc.malloc(64 << 10) for _ in range(384)]
+        for block in blocks:
+            ctypes.memset(block, 1, 64 << 10)
+        for block in blocks:
+            libc.free(block)
+        return rss_anon
+
+
+def test_an_idle_worker_keeps_no_free_heap(monkeypatch):
+    """A worker with no work for IDLE_WORKER_S gives back the free memory it kept for its next
+    samples: sample 1 begins with sample 0's 24 MiB kept, sample 2 (asked for once the worker
+    had been idle) without it."""
+    from fastmm import slabs
+
+    monkeypatch.setenv("FASTMM_WORKER_MALLOC", "reuse")
+    loader = fastmm.DataLoader(HeapChurn(), batch_size=None, num_workers=1, prefetch_factor=1)
+    it = iter(loader)
+    next(it)  # sample 1 is asked for as sample 0 is handed out, sample 2 as sample 1 is
+    time.sleep(slabs.IDLE_WORKER_S + 0.5)
+    rss = [int(next(it)), int(next(it))]
+    del it
+    assert rss[0] - rss[1] > 16 * 2**20, rss
 
 
 def test_worker_malloc_follows_environment(monkeypatch):

@@ -558,6 +558,31 @@ def test_slabs_a_burst_left_free_give_their_pages_back_while_the_loop_runs(trans
         del it
 
 
+class ShortBig(QuickBig):
+    def __len__(self):
+        return 16
+
+
+def test_at_an_epochs_end_the_pool_holds_only_the_batches_the_loop_keeps(transport, monkeypatch):
+    """Once no more batches are to be written this epoch, the free slabs give their pages back
+    and so does each batch the loop drops, as torch's loader frees a batch: at full speed the
+    pool otherwise keeps free slabs for the batches to come. The next epoch writes them again."""
+    batch_bytes = 4 << 20
+    with private_tmpfs("256m") as shm:
+        monkeypatch.setenv("FASTMM_SHM_DIR", shm)
+        idle = used_bytes(shm)
+        loader = fastmm.DataLoader(ShortBig(), batch_size=1, num_workers=2, persistent_workers=True)
+        it = iter(loader)
+        for k in range(15):
+            assert int(next(it)[0, 0, 0, 0]) == k  # (each batch dropped at once)
+        last = next(it)  # the epoch's last batch (its end not asked for yet)
+        assert used_bytes(shm) - idle <= batch_bytes
+        del last
+        assert used_bytes(shm) - idle == 0
+        assert [int(b[0, 0, 0, 0]) for b in loader] == list(range(16))
+        del it, loader
+
+
 def test_a_full_shm_when_a_freed_slab_is_needed_again_is_a_clear_error(transport, monkeypatch):
     """A slab whose pages went back reserves them again before the next write: if /dev/shm
     filled up meanwhile, that is a SharedMemoryError, not a SIGBUS in the worker. (lean: every

@@ -69,11 +69,18 @@ class TaskTable:
         self.send_idx = 0  # the next task's
         self.rcvd_idx = 0  # the next one to hand out (in order)
         self.outstanding = 0  # sent, and no result received yet
+        self.all_sent = False  # the sampler ran out: no more tasks this epoch
         started = self.num_workers if started is None else started
         self.active = [i < started for i in range(self.num_workers)]
         self.in_flight = [0] * self.num_workers  # per worker: sent, not yet handed out
         self._turns = itertools.islice(itertools.cycle(range(self.num_workers)),
                                        first_worker, None)
+
+    @property
+    def to_write(self) -> int | None:
+        """How many batches are still to be written this epoch, once the sampler has run out
+        (None before)."""
+        return self.outstanding if self.all_sent else None
 
     def next_worker(self) -> int | None:
         """The worker the next task goes to, or None if none may take one now."""

@@ -48,13 +48,15 @@ def _libc(name: str):
         return None
 
 
-def give_back_inherited_free_memory() -> None:
-    """A forked worker starts with the main process's heap as it was, its free memory included
-    (a training step's freed activations, still in place for the next step). Those pages are
+def give_back_free_heap() -> None:
+    """Give the free memory on this process's heap back to the system (glibc's malloc_trim).
+
+    A forked worker starts with the main process's heap as it was, its free memory included (a
+    training step's freed activations, still in place for the next step). Those pages are
     shared until the main process writes them again; then every worker would keep the old
     copies for as long as it lives (about 35 MiB between two workers on a small CNN's loop,
-    issue 53). Free memory is free here too: glibc's malloc_trim gives it back (19 ms for
-    250 MiB free in 64 KiB holes of an 800 MiB heap, on a 2-core VM)."""
+    issue 53). A worker without work for IDLE_WORKER_S keeps no heap for samples that are not
+    coming either. 19 ms for 250 MiB free in 64 KiB holes of an 800 MiB heap, on a 2-core VM."""
     trim = _libc("malloc_trim")
     if trim is not None:
         trim(0)
@@ -218,7 +220,7 @@ def worker_loop(spec: WorkerSpec) -> None:
         # left out of this worker's garbage collections: a full collection writes into every
         # object it visits, which would copy each page holding one into this process.
         gc.freeze()
-        give_back_inherited_free_memory()
+        give_back_free_heap()  # (what it inherited)
         if spec.share is not None:
             spec.share.install()
         _exit_when_orphaned(spec.start_method, spec.main_pid)
@@ -304,7 +306,8 @@ class _Worker:
                 if self.spec.done_event.is_set():  # told to stop, but Stop is not coming
                     break
                 if idle_timeout == IDLE_WORKER_S:  # no work for a while: unmap the slabs here
-                    self.writer.trim()
+                    self.writer.trim()  # and keep no free heap for the next samples
+                    give_back_free_heap()
                 idle_timeout = _torch.MP_STATUS_CHECK_INTERVAL
                 continue
             idle_timeout = IDLE_WORKER_S

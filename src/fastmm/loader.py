@@ -397,6 +397,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
             loader._progress = self._progress
             self._sampler_iter = resume.SamplerTap(loader, self._progress, None)
         self._table.reset(first_worker, started=len(self._worker_processes.started()))
+        self._slab_pool.expect(None)
         # batches received from each worker this epoch (a restored one had skipped its own)
         for record, batches in zip(self._records, self._progress.worker_batches):
             record.received = batches if first_iter else 0
@@ -457,6 +458,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
         try:
             index = self._next_index()
         except StopIteration:
+            self._table.all_sent = True
             return False
         worker_id = self._table.next_worker()
         if worker_id is None:
@@ -474,6 +476,7 @@ class _SlabDataLoaderIter(_ResumableIter, _torch.MultiProcessingDataLoaderIter):
                                   task.counts)
         self._table.handed_out(task)
         self._try_put_index()
+        self._slab_pool.expect(self._table.to_write)  # (the epoch's tail: known)
         if self._tuning is not None and self._tuning.retune():  # start what it calls for
             self._start_workers(range(len(self._worker_processes.started()), self._table.workers))
             while self._table.outstanding < self._table.max_tasks and self._try_put_index():

@@ -201,6 +201,17 @@ class SlabTable:
                         break
         return taken
 
+    def give_back(self, candidates: list[tuple[int, int]], owner: int, slabs: dict,
+                  keep: int = 0) -> None:
+        """Give back the pages of the free slabs among ``candidates`` ((slot, generation))
+        that still have theirs, all but ``keep`` of them; ``owner`` holds them meanwhile,
+        ``slabs`` maps each slot to its mapping."""
+        if len(candidates) <= keep:
+            return
+        taken = self.claim(candidates, owner, unpunched=True, first=False)
+        self.free([(slot, i >= keep and _advise(slabs[slot].mm, mmap.MADV_REMOVE))
+                   for i, (slot, _) in enumerate(taken)])
+
     def new_slot(self, owner: int) -> tuple[int, int]:
         """An empty slot, now taken by ``owner`` for a slab it creates: (slot, generation)."""
         with self._locked():
@@ -343,9 +354,7 @@ class SlabWriter:
                 slab.trimmed = True
         if self._table is not None:
             known = [(slot, slab.generation) for slot, slab in self._slabs.items()]
-            taken = self._table.claim(known, self._channel, unpunched=True, first=False)
-            self._table.free([(slot, _advise(self._slabs[slot].mm, mmap.MADV_REMOVE))
-                              for slot, _ in taken])
+            self._table.give_back(known, self._channel, self._slabs)
 
     def alloc(self, nbytes: int) -> tuple[int, int, memoryview]:
         """A writable region of ``nbytes`` for the current batch: (slot, offset, view)."""
@@ -488,12 +497,22 @@ class SlabPool:
         self._last_lend = time.monotonic()
         self.loop_spare_s = 0.0  # how long the loop's last step spent outside next()
         self._freed_at: dict[int, float] = {}  # by slot: when it went back to the pool
+        self._to_write: int | None = None  # batches still to be written this epoch, once known
         self._closed = False
         _raise_fd_limit()
 
     def keep_free(self, slabs: int) -> None:
         """Keep up to ``slabs`` free slabs from now on (the tuner changed the prefetch)."""
         self._keep = slabs
+
+    def expect(self, batches: int | None) -> None:
+        """At most ``batches`` more batches will be written this epoch (None: not known yet):
+        free slabs beyond those give their pages back, so that at an epoch's end the pool holds
+        the batches the loop keeps and no more, as torch's loader does."""
+        self._to_write = batches
+        if batches is not None and self._pin is None:
+            self._table.give_back([(slot, self._slabs[slot].generation) for slot, held
+                                   in self._held.items() if not held], -1, self._slabs, batches)
 
     def connect(self, channel: int, fd_sock: socket.socket) -> None:
         """A worker joins the pool (``channel``: its number here; a replacement gets a new
@@ -551,7 +570,7 @@ class SlabPool:
         else:
             if self._pin is None:  # as torch frees a batch, at once (page-locked ones stay)
                 mm = self._slabs[slot].mm
-                if self._spare_for(slot, give_back=True):
+                if self._to_write == 0 or self._spare_for(slot, give_back=True):
                     if _advise(mm, mmap.MADV_REMOVE):
                         self._punched.add(slot)
                 elif self._spare_for(slot):
@@ -627,13 +646,9 @@ class SlabPool:
         now = time.monotonic()
         idle = [(slot, self._slabs[slot].generation) for slot, at in self._freed_at.items()
                 if now - at >= IDLE_FREE_S and not self._held.get(slot, True)]
-        if not idle:
-            return
         for slot, _ in idle:
             del self._freed_at[slot]
-        taken = self._table.claim(idle, -1, unpunched=True, first=False)
-        self._table.free([(slot, _advise(self._slabs[slot].mm, mmap.MADV_REMOVE))
-                          for slot, _ in taken])
+        self._table.give_back(idle, -1, self._slabs)
 
     def _tell(self, slot: int) -> None:
         """Send a free slab to every worker that does not map it yet."""
