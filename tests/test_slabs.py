@@ -282,6 +282,27 @@ def test_an_idle_worker_keeps_no_free_heap(monkeypatch):
     assert rss[0] - rss[1] > 16 * 2**20, rss
 
 
+class LongHeapChurn(HeapChurn):
+    def __len__(self):
+        return 6
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_worker_waiting_for_its_tasks_keeps_no_free_heap_between_them(paced, monkeypatch):
+    """A worker that waits for its next task (the loop's step takes longer than its batch)
+    gives back the free memory its batch left on the heap, as it does a slab's pages: each
+    sample then begins without the 24 MiB the one before freed. One kept busy keeps it."""
+    monkeypatch.setenv("FASTMM_WORKER_MALLOC", "reuse")
+    at_start = []
+    for k, rss in enumerate(fastmm.DataLoader(LongHeapChurn(), batch_size=None, num_workers=1,
+                                              prefetch_factor=1)):
+        at_start.append(int(rss))
+        if paced:
+            time.sleep(0.2)  # the step
+    grown = sorted(rss - at_start[0] for rss in at_start[2:])  # past the first two samples
+    assert (grown[len(grown) // 2] < 8 * 2**20) if paced else (grown[0] > 16 * 2**20), at_start
+
+
 def test_worker_malloc_follows_environment(monkeypatch):
     assert fastmm.TransportConfig.from_env().worker_malloc == "reuse"
     monkeypatch.setenv("FASTMM_WORKER_MALLOC", "System")

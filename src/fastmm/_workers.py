@@ -24,7 +24,7 @@ from torch.utils.data import IterDataPipe
 from . import _batch_fill, _torch, collate, offers, resume
 from ._messages import Restore, Result, Resume, Resumed, Stop, Task, WorkerSpec
 from ._torch import DatasetKind, ExceptionWrapper
-from .slabs import IDLE_WORKER_S, SlabWriter
+from .slabs import IDLE_TRIM_S, IDLE_WORKER_S, REFILL_S_PER_BYTE, SlabWriter
 
 PARENT_CHECK_INTERVAL_S = 0.25
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -368,6 +368,11 @@ class _Worker:
                    None if rng is None else resume.encode_rng(rng),
                    iter_state, self.counts_changes.changed(), waited_s), pickle.DEFAULT_PROTOCOL))
         self.result_sent_at = time.monotonic()
+        # A worker that waits for its tasks (the loop's step is the bottleneck) has the time to
+        # fault its heap in again: it keeps no free heap between batches, as its slabs.
+        kept = max(REUSE_TRIM_FLOOR, 2 * self.writer.batch_bytes)  # at most, at the heap's top
+        if waited_s >= max(IDLE_TRIM_S, 3 * REFILL_S_PER_BYTE * kept):
+            give_back_free_heap()
 
     def fetch(self, index) -> _Outcome:
         try:

@@ -63,7 +63,7 @@ IDLE_WORKER_S = 1.0  # a worker with no work this long drops its mappings whatev
 IDLE_FREE_S = 1.0  # a slab free this long (more than the loop needs) gives its pages back
 TABLE_PATIENCE_S = 10.0  # the main process's wait for the slab table's lock, at most
 _READ_REMAP_S_PER_BYTE = 0.1e-9  # faulting a slab's pages back in to read them (main)
-_REFILL_S_PER_BYTE = 0.45e-9  # reserving a punched slab again and mapping it (worker: 34 ms
+REFILL_S_PER_BYTE = 0.45e-9  # reserving a punched slab again and mapping it (worker: 34 ms
 # for 77 MB on a 2-core Xeon VM, where an unmapped one takes 8 ms to map back)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and writes fault instead
 
@@ -203,9 +203,14 @@ class SlabTable:
 
     def give_back(self, candidates: list[tuple[int, int]], owner: int, slabs: dict,
                   keep: int = 0) -> None:
-        """Give back the pages of the free slabs among ``candidates`` ((slot, generation))
-        that still have theirs, all but ``keep`` of them; ``owner`` holds them meanwhile,
-        ``slabs`` maps each slot to its mapping."""
+        """Give back the pages of free slabs that still have theirs.
+
+        Args:
+            candidates: (slot, generation) pairs, as for ``claim``.
+            owner: who holds them meanwhile: a worker's channel, or -1 for the main process.
+            slabs: each slot's slab (its ``mm``, the mapping to punch).
+            keep: how many of them keep their pages.
+        """
         if len(candidates) <= keep:
             return
         taken = self.claim(candidates, owner, unpunched=True, first=False)
@@ -383,7 +388,7 @@ class SlabWriter:
         nbytes = self.batch_bytes = sum(n for _, n in self._batch)
         if self._table is not None:
             self._table.note_batch(nbytes)
-        refill_s = _REFILL_S_PER_BYTE * nbytes
+        refill_s = REFILL_S_PER_BYTE * nbytes
         # a paced loop leaves time to reserve and map slabs again (a decode-bound one does not:
         # its next batch claims the slab the loop lets go of)
         if (self._config.slab_memory == "lean"
@@ -586,7 +591,7 @@ class SlabPool:
         this slab back in later (and, to ``give_back`` its pages, for a worker to reserve them
         again). Time spent waiting for data does not count: a slab let go of then is claimed
         by the next batch a worker starts."""
-        per_byte = _READ_REMAP_S_PER_BYTE + (_REFILL_S_PER_BYTE if give_back else 0.0)
+        per_byte = _READ_REMAP_S_PER_BYTE + (REFILL_S_PER_BYTE if give_back else 0.0)
         return self._lean or \
             self.loop_spare_s >= max(IDLE_TRIM_S, 5 * per_byte * self._slabs[slot].capacity)
 
