@@ -802,6 +802,44 @@ class CorruptOn(PilDecoder):
         return super().decode_resized_crop(data, plan, key=key, reduce=reduce)
 
 
+def rss_anon() -> int:
+    """This process's anonymous memory in RAM (``RssAnon``), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+
+def churn_heap(blocks: int, keep_last: bool = False) -> None:
+    """Write and free ``blocks`` blocks of 64 KiB from the heap (under glibc's mapping
+    threshold): a decode's or a training step's buffers. With ``keep_last`` the last one stays
+    allocated, so that glibc cannot trim the freed ones off the heap's top."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    taken = [libc.malloc(64 << 10) for _ in range(blocks)]
+    for block in taken:
+        ctypes.memset(block, 1, 64 << 10)
+    for block in taken[:-1] if keep_last else taken:
+        libc.free(block)
+
+
+class HeapChurn(Dataset):
+    """Each sample: the worker's anonymous memory as it begins, then 24 MiB of the heap written
+    and freed (which FASTMM_WORKER_MALLOC=reuse keeps for the next)."""
+
+    def __init__(self, n: int = 3):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        at_start = rss_anon()
+        churn_heap(384)
+        return at_start
+
+
 class FaultCounter(Dataset):
     """Each sample is a fresh 2.4 MB clip (a copy of one of 8, as a decoder hands out new
     memory), kept until the batch is collated, with the page faults making it took in its

@@ -1243,22 +1243,12 @@ def test_a_garbage_collection_in_a_worker_copies_no_inherited_pages():
 
 
 _FREED_IN_MAIN = """
-import ctypes, json, torch, fastmm
+import json, sys
+sys.path.insert(0, {tests_dir!r})
+import torch, fastmm
+from _datasets import churn_heap, rss_anon
 
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-# 64 MiB of the main process's heap written and freed (a training step's buffers), the last
-# block kept so that glibc does not trim the heap's top: free, but still in place
-blocks = [libc.malloc(64 << 10) for _ in range(1025)]
-for block in blocks:
-    ctypes.memset(block, 1, 64 << 10)
-for block in blocks[:-1]:
-    libc.free(block)
-
-def rss_anon():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+churn_heap(1025, keep_last=True)  # 64 MiB of the heap written and freed, still in place
 
 class WorkerMemory(torch.utils.data.Dataset):
     def __len__(self):
@@ -1267,9 +1257,9 @@ class WorkerMemory(torch.utils.data.Dataset):
         return rss_anon()
 
 main = rss_anon()
-print(json.dumps({name: main - int(next(iter(cls(WorkerMemory(), batch_size=None, num_workers=1))))
-                  for name, cls in (("torch", torch.utils.data.DataLoader),
-                                    ("fastmm", fastmm.DataLoader))}))
+print(json.dumps({{name: main - int(next(iter(cls(WorkerMemory(), batch_size=None, num_workers=1))))
+                   for name, cls in (("torch", torch.utils.data.DataLoader),
+                                     ("fastmm", fastmm.DataLoader))}}))
 """
 
 
@@ -1279,7 +1269,8 @@ def test_a_forked_worker_keeps_none_of_the_memory_the_main_process_had_freed():
     process writes it again (its next step), then the worker's alone for as long as it lives.
     torch's workers keep it; fastmm's give it back as they start. In a fresh interpreter, whose
     heap this test lays out: the worker's anonymous memory against the main process's."""
-    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _FREED_IN_MAIN],
+    script = _FREED_IN_MAIN.format(tests_dir=os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     smaller = json.loads(run.stdout.strip().splitlines()[-1])

@@ -242,34 +242,11 @@ class PidOf(torch.utils.data.Dataset):
         return torch.tensor(os.getpid())
 
 
-class HeapChurn(torch.utils.data.Dataset):
-    """Each sample: the worker's anonymous memory as it begins, then 24 MiB of 64 KiB blocks
-    written and freed (a decode's buffers), which FASTMM_WORKER_MALLOC=reuse keeps on the heap."""
-
-    def __len__(self):
-        return 3
-
-    def __getitem__(self, i):
-        import ctypes
-
-        with open("/proc/self/status") as f:
-            rss_anon = next(int(line.split()[1]) << 10 for line in f
-                            if line.startswith("RssAnon:"))
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = ctypes.c_void_p
-        libc.free.argtypes = [ctypes.c_void_p]
-        blocks = [libc.malloc(64 << 10) for _ in range(384)]
-        for block in blocks:
-            ctypes.memset(block, 1, 64 << 10)
-        for block in blocks:
-            libc.free(block)
-        return rss_anon
-
-
 def test_an_idle_worker_keeps_no_free_heap(monkeypatch):
     """A worker with no work for IDLE_WORKER_S gives back the free memory it kept for its next
     samples: sample 1 begins with sample 0's 24 MiB kept, sample 2 (asked for once the worker
     had been idle) without it."""
+    from _datasets import HeapChurn
     from fastmm import slabs
 
     monkeypatch.setenv("FASTMM_WORKER_MALLOC", "reuse")
@@ -282,20 +259,16 @@ def test_an_idle_worker_keeps_no_free_heap(monkeypatch):
     assert rss[0] - rss[1] > 16 * 2**20, rss
 
 
-class LongHeapChurn(HeapChurn):
-    def __len__(self):
-        return 6
-
-
 @pytest.mark.parametrize("paced", [False, True])
 def test_a_worker_waiting_for_its_tasks_keeps_no_free_heap_between_them(paced, monkeypatch):
     """A worker that waits for its next task (the loop's step takes longer than its batch)
     gives back the free memory its batch left on the heap, as it does a slab's pages: each
     sample then begins without the 24 MiB the one before freed. One kept busy keeps it."""
+    from _datasets import HeapChurn
+
     monkeypatch.setenv("FASTMM_WORKER_MALLOC", "reuse")
     at_start = []
-    for k, rss in enumerate(fastmm.DataLoader(LongHeapChurn(), batch_size=None, num_workers=1,
-                                              prefetch_factor=1)):
+    for rss in fastmm.DataLoader(HeapChurn(6), batch_size=None, num_workers=1, prefetch_factor=1):
         at_start.append(int(rss))
         if paced:
             time.sleep(0.2)  # the step
