@@ -722,7 +722,7 @@ def test_a_worker_that_cannot_start_is_torchs_error_and_nothing_else(transport):
     assert "Exception ignored" not in proc.stderr and "ResourceWarning" not in proc.stderr
 
 
-def _spawned_starts(dataset, num_workers: int, method: str = "spawn"):
+def _worker_starts(dataset, num_workers: int, method: str = "spawn"):
     """Each worker's (pid, when its process was made, when it had started), in worker order,
     in seconds since boot."""
     it = iter(fastmm.DataLoader(dataset, batch_size=None, num_workers=num_workers,
@@ -741,7 +741,7 @@ def test_spawn_and_forkserver_workers_start_no_more_at_once_than_there_are_cores
     dataset's modules: with one core, each starts once the one before has started, so the
     first is ready in the time of one."""
     monkeypatch.setattr("fastmm.doctor.usable_cores", lambda: 1)
-    starts = _spawned_starts(StartingDataset(3), 3, method)
+    starts = _worker_starts(StartingDataset(3), 3, method)
     for (_, _, started), (_, made, _) in zip(starts, starts[1:]):
         assert made >= started - 0.02  # (create_time counts in clock ticks)
 
@@ -752,7 +752,7 @@ def test_a_spawned_worker_slow_to_start_holds_the_next_back_only_so_long(monkeyp
     START_WAIT_S at most."""
     monkeypatch.setattr("fastmm.doctor.usable_cores", lambda: 1)
     monkeypatch.setattr("fastmm._processes.START_WAIT_S", 0.5)
-    starts = _spawned_starts(StartingDataset(3, start_s=4.0), 3)
+    starts = _worker_starts(StartingDataset(3, start_s=4.0), 3)
     assert starts[-1][1] - starts[0][1] < 3.0  # one after another: 8 s and more
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import pickle
@@ -40,8 +41,9 @@ REUSE_MMAP_THRESHOLD = 32 << 20
 REUSE_TRIM_FLOOR = 32 << 20
 
 
+@functools.cache  # (a waiting worker trims after every batch: no dlopen each time)
 def _libc(name: str):
-    """glibc's function ``name``, or None under another C library."""
+    """The C library's function ``name`` (glibc's malloc calls), or None where it has none."""
     try:
         return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
@@ -73,12 +75,18 @@ def reuse_freed_memory() -> bool:
             and mallopt(_M_TRIM_THRESHOLD, REUSE_TRIM_FLOOR) == 1)
 
 
+def kept_heap_bytes(batch_bytes: int) -> int:
+    """The free memory a worker keeps at its heap's top for batches of ``batch_bytes``: twice
+    that (what a batch's samples free at once), at least REUSE_TRIM_FLOOR."""
+    return max(REUSE_TRIM_FLOOR, 2 * batch_bytes)
+
+
 def keep_free_heap_for(batch_bytes: int) -> None:
-    """Keep up to twice ``batch_bytes`` (at least REUSE_TRIM_FLOOR) free at the heap's top, so
-    that what a batch of that size frees serves the next (after ``reuse_freed_memory()``)."""
+    """Keep ``kept_heap_bytes(batch_bytes)`` free at the heap's top, so that what a batch of
+    that size frees serves the next (after ``reuse_freed_memory()``)."""
     mallopt = _libc("mallopt")
     if mallopt is not None:
-        mallopt(_M_TRIM_THRESHOLD, max(REUSE_TRIM_FLOOR, 2 * batch_bytes))
+        mallopt(_M_TRIM_THRESHOLD, kept_heap_bytes(batch_bytes))
 
 
 def seed_all(seed: int) -> None:
@@ -160,11 +168,8 @@ def _exit_when_orphaned(start_method: str, main_pid: int | None) -> None:
     if start_method == "forkserver":
         _let_the_forkserver_end()
     if sys.platform.startswith("linux"):
-        try:
-            signalled = ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-        except (OSError, AttributeError):  # no prctl in this libc: the thread below waits
-            signalled = False
-        if signalled:
+        prctl = _libc("prctl")  # (None: no prctl in this libc; the thread below waits)
+        if prctl is not None and prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
             if os.getppid() != parent:  # it died before the signal was set
                 os._exit(1)
             if main_pid in (None, parent):
@@ -370,7 +375,7 @@ class _Worker:
         self.result_sent_at = time.monotonic()
         # A worker that waits for its tasks (the loop's step is the bottleneck) has the time to
         # fault its heap in again: it keeps no free heap between batches, as its slabs.
-        kept = max(REUSE_TRIM_FLOOR, 2 * self.writer.batch_bytes)  # at most, at the heap's top
+        kept = kept_heap_bytes(self.writer.batch_bytes)  # at most, at the heap's top
         if waited_s >= max(IDLE_TRIM_S, 3 * REFILL_S_PER_BYTE * kept):
             give_back_free_heap()
 
